@@ -1,0 +1,63 @@
+"""Megatron distributed checkpoints of megarl models (megatron.core.dist_checkpointing).
+
+Owns the on-disk layout of a converted model: the torch_dist shards written by Megatron, plus
+`megarl_model.json` (the source HF config, so a checkpoint is self-describing) and the HF
+tokenizer files under `hf_assets/`. Loads at any TP/PP/EP/ETP/CP layout.
+"""
+
+import json
+import os
+import shutil
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+MODEL_FILE = "megarl_model.json"
+ASSETS_DIR = "hf_assets"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                   "special_tokens_map.json", "vocab.json", "merges.txt", "generation_config.json",
+                   "chat_template.jinja")
+
+
+def _sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict:
+    # Keys inside ShardedTensors are layout-independent (global layer ids); the dict nesting
+    # only pairs loaded values with chunks.
+    return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def save(chunks: List[torch.nn.Module], out_dir: str, hf_config: Dict, role: str,
+         hf_dir: str = None) -> None:
+    """Collective over the world: every rank writes its shards."""
+    os.makedirs(out_dir, exist_ok=True)
+    dist_checkpointing.save(_sharded_state_dict(chunks), out_dir)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, MODEL_FILE), "w") as f:
+            json.dump({"role": role, "hf_config": hf_config}, f, indent=2)
+        if hf_dir:
+            assets = os.path.join(out_dir, ASSETS_DIR)
+            os.makedirs(assets, exist_ok=True)
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(hf_dir, name)):
+                    shutil.copy2(os.path.join(hf_dir, name), assets)
+    dist.barrier()
+
+
+def read_model_file(ckpt_dir: str) -> Dict:
+    path = os.path.join(ckpt_dir, MODEL_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{ckpt_dir!r} is not a megarl Megatron checkpoint: {MODEL_FILE} is missing; create "
+            f"one with scripts/convert_hf_to_megatron.py"
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def load(chunks: List[torch.nn.Module], ckpt_dir: str) -> None:
+    """Collective: load the checkpoint into this rank's shards at the current layout."""
+    read_model_file(ckpt_dir)
+    state = dist_checkpointing.load(_sharded_state_dict(chunks), ckpt_dir)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state[f"chunk{i}"], strict=True)

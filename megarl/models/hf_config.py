@@ -1,0 +1,149 @@
+"""Hugging Face config.json -> ModelArch, the family-neutral description megarl builds from.
+
+Owns: which architectures and config fields are supported, and the error that lists them.
+Does not own Megatron types (see `megatron_config.py`) nor weight names (see `weight_tables.py`).
+"""
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    dtype: str
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk: bool = True
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def load_hf_config(hf_dir: str) -> Dict[str, Any]:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {hf_dir!r}: pass the directory of an HF checkpoint")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _unsupported(field: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"unsupported config field {field}={value!r}: megarl supports {allowed}")
+
+
+def _require(cfg: Dict[str, Any], field: str, allowed_values: tuple, default: Any = None) -> None:
+    value = cfg.get(field, default)
+    if value not in allowed_values:
+        raise _unsupported(field, value, " or ".join(repr(v) for v in allowed_values))
+
+
+def _rope_theta(cfg: Dict[str, Any]) -> float:
+    # transformers >= 5 nests rope settings in rope_parameters; older configs keep them top-level.
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling")
+    rope_type = rope.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get(
+        "type") or "default"
+    if rope_type != "default":
+        raise _unsupported("rope_type", rope_type, "'default' (plain RoPE without scaling)")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
+    """Validate an HF config dict and describe the model; unsupported fields raise ValueError."""
+    architectures = cfg.get("architectures") or []
+    if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architectures {architectures!r}: megarl supports one of "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    architecture = architectures[0]
+    family = SUPPORTED_ARCHITECTURES[architecture]
+    _require(cfg, "hidden_act", ("silu",), "silu")
+    _require(cfg, "mlp_bias", (False, None))
+    _require(cfg, "use_sliding_window", (False, None))
+    if family == "mixtral":
+        _require(cfg, "sliding_window", (None,))
+    if family != "qwen2":
+        _require(cfg, "attention_bias", (False, None))
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    num_experts = 0
+    moe = {}
+    if family == "qwen3_moe":
+        _require(cfg, "decoder_sparse_step", (1,), 1)
+        _require(cfg, "mlp_only_layers", ([], None))
+        num_experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
+        moe = dict(moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                   moe_norm_topk=bool(cfg.get("norm_topk_prob", False)))
+    elif family == "mixtral":
+        num_experts = int(cfg["num_local_experts"])
+        # Mixtral's softmax over all experts then renormalized top-k equals top-k then softmax.
+        moe = dict(moe_ffn_hidden_size=int(cfg["intermediate_size"]), moe_norm_topk=True)
+    if num_experts:
+        moe.update(num_experts=num_experts, moe_topk=int(cfg["num_experts_per_tok"]),
+                   router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    if dtype not in _DTYPES:
+        raise _unsupported("dtype", dtype, " or ".join(sorted(_DTYPES)))
+    return ModelArch(
+        family=family,
+        architecture=architecture,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        dtype=dtype,
+        **moe,
+    )
+
+
+def load_arch(hf_dir: str, dtype: Optional[str] = None) -> ModelArch:
+    arch = arch_from_hf_config(load_hf_config(hf_dir))
+    if dtype is not None:
+        arch = ModelArch(**{**arch.to_dict(), "dtype": dtype})
+    return arch

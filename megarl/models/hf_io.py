@@ -1,0 +1,165 @@
+"""Move weights between HF safetensors checkpoints and a live, sharded Megatron model.
+
+Owns: streaming HF tensors into this rank's shards (one full tensor in memory at a time; each
+rank reads only what it holds), and producing HF tensors from this rank's shards. Does not own
+Megatron's own checkpoint format (see `checkpoint.py`) or name tables (`weight_tables.py`).
+"""
+
+import json
+import os
+from contextlib import ExitStack
+from typing import Callable, Dict, Iterator, List, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from safetensors import safe_open
+
+from megarl.models import weight_tables
+from megarl.models.hf_config import ModelArch
+from megarl.models.param_layout import ParamSlot, join_shards, local_shard, param_slots
+
+
+class SafetensorsReader:
+    """Lazy reader over a (possibly sharded) safetensors checkpoint: tensors are read on demand."""
+
+    def __init__(self, hf_dir: str):
+        index_path = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+            weight_map = None
+        else:
+            raise FileNotFoundError(
+                f"no model.safetensors or model.safetensors.index.json in {hf_dir!r}: megarl "
+                f"reads safetensors checkpoints (convert .bin files with transformers first)"
+            )
+        self._stack = ExitStack()
+        self._files: Dict[str, object] = {}
+        self._dir = hf_dir
+        if weight_map is None:
+            handle = self._open("model.safetensors")
+            weight_map = {name: "model.safetensors" for name in handle.keys()}
+        self.weight_map = weight_map
+
+    def _open(self, filename: str):
+        if filename not in self._files:
+            self._files[filename] = self._stack.enter_context(
+                safe_open(os.path.join(self._dir, filename), framework="pt"))
+        return self._files[filename]
+
+    def names(self) -> List[str]:
+        return list(self.weight_map)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} is missing from the HF checkpoint in {self._dir!r}")
+        return self._open(self.weight_map[name]).get_tensor(name)
+
+    def close(self):
+        self._stack.close()
+
+
+def _tied_output(arch: ModelArch, slot: ParamSlot, role: str) -> bool:
+    """With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding."""
+    return role == "policy" and arch.tie_embeddings and slot.canonical == "output_layer.weight"
+
+
+def check_hf_names(arch: ModelArch, names: List[str], hf_dir: str) -> None:
+    """Every tensor of the checkpoint must be one the weight table consumes: an unknown name
+    means a config field megarl does not model, and dropping it would change the model."""
+    known = {h for entry in weight_tables.entries(arch) for h in entry.hf}
+    if arch.tie_embeddings:
+        known.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(
+            f"{hf_dir!r} has {len(unknown)} tensors the {arch.family} table does not know, e.g. "
+            f"{unknown[:5]}; the checkpoint does not match its config.json or the family"
+        )
+
+
+def entry_of(arch: ModelArch, slot: ParamSlot, role: str) -> weight_tables.Entry:
+    name = "embedding.word_embeddings.weight" if _tied_output(arch, slot, role) else slot.canonical
+    return weight_tables.entry_for(arch, name, role)
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
+                    role: str = "policy") -> int:
+    """Fill this rank's shards from the HF checkpoint; return the number of tensors written.
+    The value head, which a causal-LM checkpoint does not have, keeps its initialization."""
+    reader = SafetensorsReader(hf_dir)
+    check_hf_names(arch, reader.names(), hf_dir)
+    tp = mpu.get_tensor_model_parallel_world_size()
+    params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+    written = 0
+    try:
+        for slot in param_slots(chunks):
+            entry = entry_of(arch, slot, role)
+            if entry.hf == weight_tables.VALUE_HEAD.hf and entry.hf[0] not in reader.weight_map:
+                continue
+            full = weight_tables.read_entry(arch, entry, reader, tp)
+            shard = local_shard(full, slot)
+            param = params[(slot.chunk, slot.local_name)]
+            if shard.shape != param.shape:
+                raise ValueError(
+                    f"{entry.hf} -> {slot.canonical}: shard shape {tuple(shard.shape)} does not "
+                    f"match the model's {tuple(param.shape)}; the HF config and weights disagree"
+                )
+            param.copy_(shard)
+            written += 1
+    finally:
+        reader.close()
+    return written
+
+
+def local_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str = "policy",
+                     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = None
+                     ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """HF tensors of this rank's parameters; valid only where nothing is TP-sharded (tp=etp=1),
+    as in the converter's layout. `tensor_of` picks what to export (default: the weights)."""
+    params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+    for slot in param_slots(chunks):
+        if slot.tp_dim is not None:
+            raise ValueError(f"{slot.canonical} is TP-sharded; export needs tp = etp = 1 "
+                             f"(use gather_hf_tensors for a sharded layout)")
+        if _tied_output(arch, slot, role):
+            continue
+        param = params[(slot.chunk, slot.local_name)]
+        tensor = param.detach() if tensor_of is None else tensor_of(param)
+        yield from weight_tables.to_hf(arch, entry_of(arch, slot, role), tensor).items()
+
+
+def gather_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str = "policy",
+                      tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = None
+                      ) -> Dict[str, torch.Tensor]:
+    """Every HF tensor of the full model, on every rank, from shards at any layout.
+
+    For verification and small models only: each rank ends up holding the whole model. The
+    weight-sync path to vLLM streams instead (megarl.resharding)."""
+    params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+    mine = []
+    for slot in param_slots(chunks):
+        if _tied_output(arch, slot, role):
+            continue
+        param = params[(slot.chunk, slot.local_name)]
+        tensor = param.detach() if tensor_of is None else tensor_of(param)
+        mine.append((slot, tensor.detach().cpu()))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    shards: Dict[str, Dict[int, torch.Tensor]] = {}
+    slot_of: Dict[str, ParamSlot] = {}
+    for rank_items in everyone:
+        for slot, tensor in rank_items:
+            # DP and CP replicas hold identical copies; one per TP rank is enough.
+            shards.setdefault(slot.canonical, {}).setdefault(slot.tp_rank, tensor)
+            slot_of[slot.canonical] = slot
+    result = {}
+    for canonical, by_rank in shards.items():
+        slot = slot_of[canonical]
+        full = join_shards([by_rank[r] for r in range(slot.tp_size if slot.tp_dim is not None
+                                                      else 1)], slot)
+        result.update(weight_tables.to_hf(arch, entry_of(arch, slot, role), full))
+    return result

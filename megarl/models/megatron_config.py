@@ -1,0 +1,93 @@
+"""ModelArch + ParallelDims -> Megatron-Core TransformerConfig.
+
+Owns the numeric choices that make a Megatron model compute what the HF model computes
+(RMSNorm eps, SwiGLU, GQA groups, QK norm, router softmax order, padded vocabulary).
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megarl.models.hf_config import ModelArch
+from megarl.parallel_state.dims import ParallelDims
+
+# Megatron pads the vocabulary so that every TP shard has the same width; 128 keeps the padded
+# width friendly to GPU matmul tiles.
+VOCAB_DIVISOR = 128
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    multiple = VOCAB_DIVISOR * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtype = None,
+                       aux_loss_coeff: float = None, use_te: bool = False,
+                       **overrides) -> TransformerConfig:
+    """Build the TransformerConfig; `overrides` are TransformerConfig fields set last."""
+    dims.check_model(num_layers=arch.num_layers, num_heads=arch.num_heads,
+                     num_kv_heads=arch.num_kv_heads, num_experts=arch.num_experts,
+                     ffn_hidden=0 if arch.num_experts else arch.ffn_hidden_size,
+                     moe_ffn_hidden=arch.moe_ffn_hidden_size)
+    dtype = dtype or arch.torch_dtype
+    on_gpu = torch.cuda.is_available()
+    moe = {}
+    if arch.num_experts:
+        moe = dict(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            # HF without top-k renormalization = softmax over all experts, then top-k.
+            moe_router_pre_softmax=not arch.moe_norm_topk,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=arch.router_aux_loss_coef if aux_loss_coeff is None
+            else aux_loss_coeff,
+            moe_grouped_gemm=use_te,
+        )
+    fields = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.expert_tp,
+        sequence_parallel=dims.tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # RL batches change length every step: pipeline stages exchange shapes first.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # the only dispatcher that allows variable lengths
+        cp_comm_type="p2p" if use_te and dims.cp > 1 else None,
+        **moe,
+    )
+    fields.update(overrides)
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(TransformerConfig)}
+    if unknown:
+        raise ValueError(f"unknown TransformerConfig fields {sorted(unknown)}")
+    return TransformerConfig(**fields)

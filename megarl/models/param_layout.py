@@ -1,0 +1,96 @@
+"""Where each local parameter of a Megatron model sits in the full model.
+
+Owns the metadata every weight movement needs: HF loading, HF export, gathering full gradients,
+and (later) resharding into vLLM. For each parameter of each model chunk on this rank: its
+canonical full-model name (global layer and expert ids), and how the local tensor is cut from
+the full one (TP dimension, SwiGLU halves). Pure given the model and the rank coordinates.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from megatron.core import parallel_state as mpu
+
+# Transformer Engine modules name a few tensors differently from the portable spec.
+_TE_NAMES = (
+    (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
+    (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+    (re.compile(r"mlp\.experts\.linear_fc(\d)\.weight(\d+)$"),
+     r"mlp.experts.local_experts.\2.linear_fc\1.weight"),
+)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    chunk: int                 # virtual pipeline stage index on this rank
+    local_name: str            # name in chunk.named_parameters()
+    canonical: str             # full-model name used by the weight tables
+    tp_dim: Optional[int]      # dimension sharded over the (expert-)TP group; None: replicated
+    tp_rank: int
+    tp_size: int
+    glu: bool                  # SwiGLU fc1: gate and up halves are sharded separately
+    expert: bool
+
+
+def _canonical(chunk_model, name: str, num_local_experts: int, ep_rank: int) -> str:
+    for pattern, replacement in _TE_NAMES:
+        name = pattern.sub(replacement, name)
+    match = _LAYER.match(name)
+    if match:
+        layer = chunk_model.decoder.layers[int(match.group(1))]
+        name = f"decoder.layers.{layer.layer_number - 1}." + name[match.end():]
+    expert = _LOCAL_EXPERT.search(name)
+    if expert:
+        global_id = ep_rank * num_local_experts + int(expert.group(1))
+        name = name[:expert.start()] + f"mlp.experts.local_experts.{global_id}." + name[expert.end():]
+    return name
+
+
+def param_slots(chunks: List[torch.nn.Module]) -> List[ParamSlot]:
+    slots = []
+    ep_rank = mpu.get_expert_model_parallel_rank()
+    for index, chunk in enumerate(chunks):
+        config = chunk.config
+        num_local = (config.num_moe_experts or 0) // mpu.get_expert_model_parallel_world_size()
+        for name, param in chunk.named_parameters():
+            is_expert = ".experts." in name
+            if is_expert:
+                tp_rank, tp_size = (mpu.get_expert_tensor_parallel_rank(),
+                                    mpu.get_expert_tensor_parallel_world_size())
+            else:
+                tp_rank, tp_size = (mpu.get_tensor_model_parallel_rank(),
+                                    mpu.get_tensor_model_parallel_world_size())
+            sharded = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+            slots.append(ParamSlot(
+                chunk=index, local_name=name,
+                canonical=_canonical(chunk, name, num_local, ep_rank),
+                tp_dim=param.partition_dim if sharded else None,
+                tp_rank=tp_rank, tp_size=tp_size,
+                glu=config.gated_linear_unit and name.endswith("linear_fc1.weight"),
+                expert=is_expert,
+            ))
+    return slots
+
+
+def local_shard(full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """Cut this rank's piece out of the full tensor."""
+    if slot.tp_dim is None:
+        return full
+    if slot.glu:
+        return torch.cat([half.chunk(slot.tp_size, dim=0)[slot.tp_rank]
+                          for half in full.chunk(2, dim=0)], dim=0)
+    return full.chunk(slot.tp_size, dim=slot.tp_dim)[slot.tp_rank]
+
+
+def join_shards(shards: List[torch.Tensor], slot: ParamSlot) -> torch.Tensor:
+    """Inverse of local_shard: shards of every TP rank, in rank order -> the full tensor."""
+    if slot.tp_dim is None:
+        return shards[0]
+    if slot.glu:
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+    return torch.cat(shards, dim=slot.tp_dim)

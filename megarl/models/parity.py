@@ -1,0 +1,166 @@
+"""Numerical parity of a sharded Megatron model with Hugging Face transformers.
+
+Owns the check behind scripts/verify_conversion.py and the layout tests: a forward (and
+optionally backward) on a fixed token batch at the current layout, returning the full-vocabulary
+log-probs, the mean next-token loss and the gradients of every full parameter under HF names;
+and the same three numbers from an HF transformers model as the independent reference.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megarl.models.hf_config import ModelArch
+from megarl.models.hf_io import gather_hf_tensors
+from megarl.models.portable_layers import cp_positions
+
+
+@dataclass
+class ParityResult:
+    logprobs: Optional[torch.Tensor]  # [B, S, V] on last-stage ranks, else None
+    loss: float                       # mean next-token NLL over the batch
+    grads: Dict[str, torch.Tensor]    # HF name -> full gradient (empty without backward)
+
+
+def fixed_tokens(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq), generator=generator)  # [B, S]
+
+
+def next_token_targets(tokens: torch.Tensor):
+    """Targets and mask for next-token prediction; the last position predicts nothing."""
+    targets = torch.roll(tokens, -1, dims=1)  # [B, S]
+    mask = torch.ones_like(tokens, dtype=torch.float32)
+    mask[:, -1] = 0.0
+    return targets, mask
+
+
+def cp_local(x: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """[B, S, ...] -> this CP rank's load-balanced [B, S/cp, ...] slice."""
+    if cp_size == 1:
+        return x
+    return x.index_select(1, cp_positions(x.shape[1] // cp_size, cp_rank, cp_size, x.device))
+
+
+def _cp_gather(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of cp_local over the CP group: [B, S/cp, ...] -> [B, S, ...]."""
+    cp_size = mpu.get_context_parallel_world_size()
+    if cp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(cp_size)]
+    dist.all_gather(parts, x.contiguous(), group=mpu.get_context_parallel_group())
+    full = torch.empty(x.shape[0], x.shape[1] * cp_size, *x.shape[2:], dtype=x.dtype)
+    for rank, part in enumerate(parts):
+        full[:, cp_positions(x.shape[1], rank, cp_size, x.device)] = part
+    return full
+
+
+def _loss_func(vocab_size, targets, mask, logits):
+    # logits [b, s/cp, Vp/tp]: gather the vocabulary and drop Megatron's padding so the
+    # softmax normalizes over exactly the HF vocabulary.
+    full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
+    logprobs = torch.log_softmax(full.float(), dim=-1)  # [b, s/cp, V]
+    nll = -logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [b, s/cp]
+    loss_sum = (nll * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"logprobs": logprobs.detach(), "loss_sum": loss_sum.detach(),
+                                  "num_tokens": num_tokens}
+
+
+def wrap_ddp(chunks: List[torch.nn.Module]) -> List[DistributedDataParallel]:
+    # Per-token loss: gradients are summed over DP x CP and divided once by the global token
+    # count, so the result cannot depend on how tokens were split. DDP reads the flag when built.
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.calculate_per_token_loss = True
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    return [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
+
+
+def megatron_run(chunks: List[torch.nn.Module], arch: ModelArch, tokens: torch.Tensor,
+                 backward: bool) -> ParityResult:
+    """Forward (and backward) on `tokens` [B, S] at the current layout. Collective."""
+    cp_rank, cp_size = mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
+    targets, mask = next_token_targets(tokens)
+    batch = dict(tokens=cp_local(tokens, cp_rank, cp_size),
+                 targets=cp_local(targets, cp_rank, cp_size), mask=cp_local(mask, cp_rank, cp_size))
+    model = wrap_ddp(chunks) if backward else chunks
+    for chunk in model:
+        chunk.train() if backward else chunk.eval()
+        if backward:
+            chunk.zero_grad_buffer()
+
+    def forward_step(data_iterator, chunk):
+        data = next(data_iterator)
+        output = chunk(data["tokens"], None, None)
+        return output, partial(_loss_func, arch.vocab_size, data["targets"], data["mask"])
+
+    iterators = [iter([batch]) for _ in model]
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=1, seq_length=batch["tokens"].shape[1],
+        micro_batch_size=tokens.shape[0], forward_only=not backward,
+    )
+    totals = torch.zeros(2, dtype=torch.float64)
+    logprobs = None
+    if mpu.is_pipeline_last_stage():
+        out = outputs[0]
+        logprobs = _cp_gather(out["logprobs"])
+        totals += torch.tensor([float(out["loss_sum"]), float(out["num_tokens"])])
+        if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
+            dist.all_reduce(totals, group=mpu.get_context_parallel_group())
+            if cp_rank != 0:
+                totals.zero_()
+        else:
+            totals.zero_()
+    dist.all_reduce(totals)  # exactly one rank contributes: last stage, tp 0, dp 0, cp 0
+    grads = {}
+    if backward:
+        grads = gather_hf_tensors(chunks, arch, tensor_of=lambda p: p.main_grad)
+    return ParityResult(logprobs=logprobs, loss=float(totals[0] / totals[1]), grads=grads)
+
+
+def hf_run(hf_dir: str, tokens: torch.Tensor, backward: bool) -> ParityResult:
+    """The reference: HF transformers, fp32, eager attention."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model.train(backward)
+    targets, mask = next_token_targets(tokens)
+    with torch.set_grad_enabled(backward):
+        logprobs = torch.log_softmax(model(tokens).logits.float(), dim=-1)
+        nll = -logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        loss = (nll * mask).sum() / mask.sum()
+    grads = {}
+    if backward:
+        loss.backward()
+        grads = _hub_named(model, {n: p.grad for n, p in model.named_parameters()})
+    return ParityResult(logprobs=logprobs.detach(), loss=float(loss.detach()), grads=grads)
+
+
+@torch.no_grad()
+def _hub_named(model, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Name tensors as the checkpoint on disk does: transformers 5 fuses MoE experts in memory
+    and splits them again on save; its own reverse conversion does the renaming."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    named = {k: v.contiguous() for k, v in revert_weight_conversion(model, tensors).items()}
+    if model.config.tie_word_embeddings:
+        named.pop("lm_head.weight", None)
+    return named
+
+
+def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))

@@ -1,0 +1,108 @@
+"""Layers of megarl's portable spec: what Megatron-Core's local spec lacks when Transformer
+Engine is absent (CPU here, or a GPU box without TE).
+
+Owns: an RMSNorm that supports sequence parallelism, and a core attention that supports context
+parallelism (Megatron's WrappedTorchNorm refuses the first, its DotProductAttention the second).
+Does not own the rest of the layer: linears, MoE and RoPE stay Megatron-Core's own modules.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.transformer.module import MegatronModule
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight, as Hugging Face models do.
+
+    Under sequence parallelism each TP rank normalizes a different slice of the sequence, so the
+    weight's gradient is partial per rank; `sequence_parallel=True` tells Megatron's
+    finalize_model_grads to all-reduce it over the TP group.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x):  # [..., H]
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class _GatherFromContextParallel(torch.autograd.Function):
+    """All-gather along dim 0 over the CP group; backward sums every rank's gradient and keeps
+    this rank's slice (all-reduce instead of reduce-scatter keeps it portable to any backend)."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # x: [s/cp, ...] -> [s, ...] in CP-rank order
+        ctx.group = group
+        world = dist.get_world_size(group)
+        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        return grad.chunk(world, dim=0)[rank], None
+
+
+def cp_positions(local_len: int, cp_rank: int, cp_size: int, device) -> torch.Tensor:
+    """Global token positions held by one CP rank: chunks r and 2*cp-1-r of 2*cp chunks."""
+    chunk = local_len // 2
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    last_start = (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([first, torch.arange(last_start, last_start + chunk, device=device)])
+
+
+class PortableCoreAttention(MegatronModule):
+    """Causal softmax attention over [s, b, heads, d] inputs, with context parallelism by
+    all-gathering keys and values over the CP group (the "all-gather" CP scheme: memory grows
+    with the full sequence's K/V, compute stays local to this rank's queries)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = (pg_collection.cp if pg_collection is not None and
+                         hasattr(pg_collection, "cp") else mpu.get_context_parallel_group())
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        # query [sq, b, nq/tp, d]; key, value [sk, b, nkv/tp, d]
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError(
+                "the portable attention takes padded batches without attention bias; install "
+                "Transformer Engine for packed sequences (thd format)"
+            )
+        cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        q_pos = torch.arange(query.shape[0], device=query.device)
+        k_pos = q_pos
+        if cp_size > 1:
+            cp_rank = dist.get_rank(self.cp_group)
+            key = _GatherFromContextParallel.apply(key, self.cp_group)
+            value = _GatherFromContextParallel.apply(value, self.cp_group)
+            q_pos = cp_positions(query.shape[0], cp_rank, cp_size, query.device)
+            k_pos = torch.cat([cp_positions(query.shape[0], r, cp_size, query.device)
+                               for r in range(cp_size)])
+        causal = k_pos[None, :] <= q_pos[:, None]  # [sq, sk]
+        q = query.permute(1, 2, 0, 3)  # [b, nq, sq, d]
+        k = key.permute(1, 2, 0, 3).repeat_interleave(self.heads_per_group, dim=1)
+        v = value.permute(1, 2, 0, 3).repeat_interleave(self.heads_per_group, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal, dropout_p=self.dropout if self.training else 0.0,
+            scale=self.softmax_scale,
+        )  # [b, nq, sq, d]
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, nq/tp * d]

@@ -1,0 +1,164 @@
+"""HF <-> Megatron weight names: one table per model family, plus the glue that applies them.
+
+Megatron names here are the canonical full-model names of megarl's layer spec at TP=PP=EP=1:
+global layer ids and global expert ids (see `param_layout.py` for local -> canonical). Each row
+names one Megatron tensor, the HF tensors it is made of, and the named transform between them.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Tuple
+
+import torch
+
+from megarl.models import weight_transforms as wt
+from megarl.models.hf_config import ModelArch
+from megarl.models.megatron_config import padded_vocab_size
+
+LAYER = "decoder.layers.{layer}."
+EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
+
+
+@dataclass(frozen=True)
+class Row:
+    megatron: str
+    hf: Tuple[str, ...]
+    transform: str = "copy"  # copy | qkv | gate_up | vocab
+    when: str = "always"     # always | untied | qkv_bias | qk_norm
+
+
+_EMBED = Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")
+_FINAL = [
+    Row("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Row("output_layer.weight", ("lm_head.weight",), "vocab", when="untied"),
+]
+_ATTENTION = [
+    Row(LAYER + "input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",)),
+    Row(LAYER + "self_attention.linear_qkv.weight",
+        tuple(f"model.layers.{{layer}}.self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    Row(LAYER + "self_attention.linear_qkv.bias",
+        tuple(f"model.layers.{{layer}}.self_attn.{p}_proj.bias" for p in "qkv"), "qkv",
+        when="qkv_bias"),
+    Row(LAYER + "self_attention.q_layernorm.weight", ("model.layers.{layer}.self_attn.q_norm.weight",),
+        when="qk_norm"),
+    Row(LAYER + "self_attention.k_layernorm.weight", ("model.layers.{layer}.self_attn.k_norm.weight",),
+        when="qk_norm"),
+    Row(LAYER + "self_attention.linear_proj.weight", ("model.layers.{layer}.self_attn.o_proj.weight",)),
+    Row(LAYER + "pre_mlp_layernorm.weight", ("model.layers.{layer}.post_attention_layernorm.weight",)),
+]
+_DENSE_MLP = [
+    Row(LAYER + "mlp.linear_fc1.weight", ("model.layers.{layer}.mlp.gate_proj.weight",
+                                          "model.layers.{layer}.mlp.up_proj.weight"), "gate_up"),
+    Row(LAYER + "mlp.linear_fc2.weight", ("model.layers.{layer}.mlp.down_proj.weight",)),
+]
+_QWEN3_MOE_MLP = [
+    Row(LAYER + "mlp.router.weight", ("model.layers.{layer}.mlp.gate.weight",)),
+    Row(EXPERT + "linear_fc1.weight", ("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+                                       "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"),
+        "gate_up"),
+    Row(EXPERT + "linear_fc2.weight", ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",)),
+]
+_MIXTRAL_MLP = [
+    Row(LAYER + "mlp.router.weight", ("model.layers.{layer}.block_sparse_moe.gate.weight",)),
+    Row(EXPERT + "linear_fc1.weight", ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
+                                       "model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight"),
+        "gate_up"),
+    Row(EXPERT + "linear_fc2.weight",
+        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",)),
+]
+
+TABLES: Dict[str, List[Row]] = {
+    "llama": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
+    "qwen2": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
+    "qwen3": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
+    "qwen3_moe": [_EMBED, *_ATTENTION, *_QWEN3_MOE_MLP, *_FINAL],
+    "mixtral": [_EMBED, *_ATTENTION, *_MIXTRAL_MLP, *_FINAL],
+}
+
+# The critic's head has no counterpart in a causal-LM checkpoint; HF token-classification value
+# models (TRL, OpenRLHF) call it `score`.
+VALUE_HEAD = Row("output_layer.weight", ("score.weight",))
+
+
+def _applies(row: Row, arch: ModelArch) -> bool:
+    return {"always": True, "untied": not arch.tie_embeddings, "qkv_bias": arch.qkv_bias,
+            "qk_norm": arch.qk_norm}[row.when]
+
+
+def rows(arch: ModelArch, role: str = "policy") -> List[Row]:
+    table = [row for row in TABLES[arch.family] if _applies(row, arch)]
+    if role == "value":
+        table = [row for row in table if row.megatron != "output_layer.weight"] + [VALUE_HEAD]
+    return table
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One concrete Megatron tensor of the full model and the HF tensors it is made of."""
+    megatron: str
+    hf: Tuple[str, ...]
+    transform: str
+
+
+def entries(arch: ModelArch, role: str = "policy") -> Iterator[Entry]:
+    """Every Megatron tensor of the full model, in layer order."""
+    for row in rows(arch, role):
+        if "{expert}" in row.megatron:
+            ids = [(l, e) for l in range(arch.num_layers) for e in range(arch.num_experts)]
+        elif "{layer}" in row.megatron:
+            ids = [(l, None) for l in range(arch.num_layers)]
+        else:
+            ids = [(None, None)]
+        for layer, expert in ids:
+            yield Entry(row.megatron.format(layer=layer, expert=expert),
+                        tuple(h.format(layer=layer, expert=expert) for h in row.hf),
+                        row.transform)
+
+
+_NUMBERS = re.compile(r"^decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\.(\d+)\.)?")
+
+
+def entry_for(arch: ModelArch, megatron_name: str, role: str = "policy") -> Entry:
+    """The Entry of one canonical Megatron name, or KeyError naming it."""
+    match = _NUMBERS.match(megatron_name)
+    layer, expert = (match.group(1), match.group(2)) if match else (None, None)
+    template = megatron_name
+    if layer is not None:
+        template = LAYER.format(layer="{layer}") + megatron_name[len(f"decoder.layers.{layer}."):]
+    if expert is not None:
+        template = EXPERT.format(layer="{layer}", expert="{expert}") + megatron_name[match.end():]
+    for row in rows(arch, role):
+        if row.megatron == template:
+            return Entry(megatron_name,
+                         tuple(h.format(layer=layer, expert=expert) for h in row.hf),
+                         row.transform)
+    raise KeyError(f"no {arch.family} weight-table row for Megatron tensor {megatron_name!r}")
+
+
+def to_megatron(arch: ModelArch, entry: Entry, hf: List[torch.Tensor], tp: int) -> torch.Tensor:
+    """HF tensors of one entry -> the full Megatron tensor (vocabulary padded for `tp`)."""
+    if entry.transform == "qkv":
+        return wt.merge_qkv(*hf, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    if entry.transform == "gate_up":
+        return wt.merge_gate_up(*hf)
+    if entry.transform == "vocab":
+        return wt.pad_vocab(hf[0], padded_vocab_size(arch.vocab_size, tp))
+    return hf[0]
+
+
+def to_hf(arch: ModelArch, entry: Entry, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Full Megatron tensor of one entry -> its HF tensors by name."""
+    if entry.transform == "qkv":
+        parts = wt.split_qkv(tensor, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    elif entry.transform == "gate_up":
+        parts = wt.split_gate_up(tensor)
+    elif entry.transform == "vocab":
+        parts = [wt.unpad_vocab(tensor, arch.vocab_size)]
+    else:
+        parts = [tensor]
+    return dict(zip(entry.hf, parts))
+
+
+def read_entry(arch: ModelArch, entry: Entry, read_hf: Callable[[str], torch.Tensor],
+               tp: int) -> torch.Tensor:
+    return to_megatron(arch, entry, [read_hf(name) for name in entry.hf], tp)

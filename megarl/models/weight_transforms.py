@@ -1,0 +1,53 @@
+"""Named split/merge functions between HF tensors and Megatron's full (unsharded) tensors.
+
+Pure functions of tensors and ints. Each merge has its split, and split(merge(x)) == x exactly:
+they only copy and reorder values, so conversion round trips are bit-exact.
+"""
+
+from typing import List
+
+import torch
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+              num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """HF q [Nq*D, ...], k/v [Nkv*D, ...] -> Megatron linear_qkv [(Nq + 2*Nkv)*D, ...], grouped per
+    KV head: [q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...]. TP then shards whole
+    groups, which is why Nkv must be divisible by tp."""
+    per_group = num_heads // num_kv_heads
+    rest = q.shape[1:]
+    q = q.reshape(num_kv_heads, per_group * head_dim, *rest)
+    k = k.reshape(num_kv_heads, head_dim, *rest)
+    v = v.reshape(num_kv_heads, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+              head_dim: int) -> List[torch.Tensor]:
+    per_group = num_heads // num_kv_heads
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(num_kv_heads, (per_group + 2) * head_dim, *rest)
+    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return [q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(),
+            v.reshape(-1, *rest).contiguous()]
+
+
+def merge_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """HF gate [F, H], up [F, H] -> Megatron linear_fc1 [2F, H] (SwiGLU: silu(gate) * up)."""
+    return torch.cat([gate, up], dim=0)
+
+
+def split_gate_up(fc1: torch.Tensor) -> List[torch.Tensor]:
+    return [t.contiguous() for t in fc1.chunk(2, dim=0)]
+
+
+def pad_vocab(weight: torch.Tensor, padded_size: int) -> torch.Tensor:
+    """[V, H] -> [Vp, H]; padded rows are zero (their logits are dropped before any softmax)."""
+    if padded_size < weight.shape[0]:
+        raise ValueError(f"padded vocab {padded_size} is smaller than vocab {weight.shape[0]}")
+    pad = weight.new_zeros(padded_size - weight.shape[0], *weight.shape[1:])
+    return torch.cat([weight, pad], dim=0)
+
+
+def unpad_vocab(weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return weight[:vocab_size].contiguous()

