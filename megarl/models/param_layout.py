@@ -12,6 +12,11 @@ from typing import List, Optional
 
 import torch
 from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 # Transformer Engine modules name a few tensors differently from the portable spec.
 _TE_NAMES = (
@@ -50,12 +55,35 @@ def _canonical(chunk_model, name: str, num_local_experts: int, ep_rank: int) -> 
     return name
 
 
+def _parallel_mode(module: torch.nn.Module) -> Optional[str]:
+    """'column' or 'row' for TP-sharded modules (Megatron's or Transformer Engine's, which carry
+    `parallel_mode`), None for replicated ones. Read from the module type, not from parameter
+    attributes, which Megatron sets only when it also initializes the weights."""
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return "column"
+    if isinstance(module, RowParallelLinear):
+        return "row"
+    return getattr(module, "parallel_mode", None)
+
+
+def _tp_dim(module: torch.nn.Module, param_name: str) -> Optional[int]:
+    mode = _parallel_mode(module)
+    if mode == "column" and (param_name.startswith("weight") or param_name == "bias"):
+        return 0
+    if mode == "row" and param_name.startswith("weight"):
+        return 1
+    return None
+
+
 def param_slots(chunks: List[torch.nn.Module]) -> List[ParamSlot]:
     slots = []
     ep_rank = mpu.get_expert_model_parallel_rank()
     for index, chunk in enumerate(chunks):
         config = chunk.config
         num_local = (config.num_moe_experts or 0) // mpu.get_expert_model_parallel_world_size()
+        owners = {f"{prefix}.{pname}" if prefix else pname: (module, pname)
+                  for prefix, module in chunk.named_modules()
+                  for pname, _ in module.named_parameters(recurse=False)}
         for name, param in chunk.named_parameters():
             is_expert = ".experts." in name
             if is_expert:
@@ -64,11 +92,11 @@ def param_slots(chunks: List[torch.nn.Module]) -> List[ParamSlot]:
             else:
                 tp_rank, tp_size = (mpu.get_tensor_model_parallel_rank(),
                                     mpu.get_tensor_model_parallel_world_size())
-            sharded = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+            tp_dim = _tp_dim(*owners[name]) if tp_size > 1 else None
             slots.append(ParamSlot(
                 chunk=index, local_name=name,
                 canonical=_canonical(chunk, name, num_local, ep_rank),
-                tp_dim=param.partition_dim if sharded else None,
+                tp_dim=tp_dim,
                 tp_rank=tp_rank, tp_size=tp_size,
                 glu=config.gated_linear_unit and name.endswith("linear_fc1.weight"),
                 expert=is_expert,

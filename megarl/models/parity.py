@@ -71,7 +71,8 @@ def _loss_func(vocab_size, targets, mask, logits):
     nll = -logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [b, s/cp]
     loss_sum = (nll * mask).sum()
     num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"logprobs": logprobs.detach(), "loss_sum": loss_sum.detach(),
+    # Megatron divides the returned loss in place; report copies.
+    return loss_sum, num_tokens, {"logprobs": logprobs.detach(), "loss_sum": loss_sum.detach().clone(),
                                   "num_tokens": num_tokens}
 
 

@@ -176,6 +176,12 @@ _PATCHED_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.parallel_state",
     "megatron.core.utils",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
 )
 
 _INSTALLED = False

@@ -4,6 +4,7 @@ Owns the arithmetic and its validation, done before any process group exists.
 Does not own process groups: see `megatron_groups.py` for the one adapter to Megatron-Core.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,6 +45,12 @@ class ParallelDims:
                 f"etp({self.expert_tp}) * ep({self.ep}) * pp({self.pp}) * expert_dp(?) must equal "
                 f"world size {self.world_size}: {expert} does not divide {self.world_size}"
             )
+
+    @classmethod
+    def for_conversion(cls, world_size: int, num_layers: int) -> "ParallelDims":
+        """Layers split over as many pipeline stages as the world allows, nothing TP-sharded:
+        each rank holds whole tensors of 1/pp of the model, and can read/write them directly."""
+        return cls(world_size=world_size, pp=math.gcd(world_size, num_layers))
 
     @property
     def expert_tp(self) -> int:

@@ -1,0 +1,93 @@
+"""HF checkpoint <-> Megatron distributed checkpoint, run on any number of ranks.
+
+Owns the two conversions behind scripts/convert_*.py. Both use ParallelDims.for_conversion: the
+layers are split over pipeline stages, so each rank reads, holds and writes only its own layers
+(one HF tensor in flight at a time), and the written checkpoint loads at any layout.
+"""
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from safetensors.torch import save_file
+
+from megarl.models import checkpoint
+from megarl.models.builder import build_model
+from megarl.models.hf_config import arch_from_hf_config, load_hf_config
+from megarl.models.hf_io import load_hf_weights, local_hf_tensors
+from megarl.parallel_state import megatron_groups
+from megarl.parallel_state.dims import ParallelDims
+
+
+def _fresh_output(out_dir: str) -> str:
+    """Write into OUT.partial and rename at the end: a half-written OUT never exists."""
+    if os.path.exists(out_dir):
+        raise FileExistsError(f"output {out_dir!r} already exists; remove it or pick another path")
+    partial = out_dir.rstrip("/") + ".partial"
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier()
+    return partial
+
+
+def _finish(partial: str, out_dir: str) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.rename(partial, out_dir)
+    dist.barrier()
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str) -> dict:
+    hf_config = load_hf_config(hf_dir)
+    arch = arch_from_hf_config(hf_config)
+    world = megatron_groups.init_distributed()
+    dims = ParallelDims.for_conversion(world, arch.num_layers)
+    megatron_groups.initialize(dims)
+    partial = _fresh_output(out_dir)
+    chunks = build_model(arch, dims, perform_initialization=False)
+    written = load_hf_weights(chunks, arch, hf_dir)
+    checkpoint.save(chunks, partial, hf_config, role="policy", hf_dir=hf_dir)
+    _finish(partial, out_dir)
+    total = torch.tensor([written])
+    dist.all_reduce(total)
+    return {"out": out_dir, "family": arch.family, "layout": dims.describe(),
+            "tensors_written_by_all_ranks": int(total)}
+
+
+def megatron_to_hf(megatron_dir: str, out_dir: str) -> dict:
+    model_file = checkpoint.read_model_file(megatron_dir)
+    hf_config = model_file["hf_config"]
+    arch = arch_from_hf_config(hf_config)
+    world = megatron_groups.init_distributed()
+    dims = ParallelDims.for_conversion(world, arch.num_layers)
+    megatron_groups.initialize(dims)
+    partial = _fresh_output(out_dir)
+    chunks = build_model(arch, dims, perform_initialization=False)
+    checkpoint.load(chunks, megatron_dir)
+    stage, stages = mpu.get_pipeline_model_parallel_rank(), dims.pp
+    filename = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    names = []
+    if mpu.get_data_parallel_rank() == 0:  # one writer per pipeline stage
+        tensors = {name: t.contiguous() for name, t in local_hf_tensors(chunks, arch)}
+        save_file(tensors, os.path.join(partial, filename), metadata={"format": "pt"})
+        names = sorted(tensors)
+    all_names = [None] * world
+    dist.all_gather_object(all_names, (filename, names))
+    if dist.get_rank() == 0:
+        weight_map = {name: file for file, file_names in all_names for name in file_names}
+        total_size = sum(os.path.getsize(os.path.join(partial, f)) for f in set(weight_map.values()))
+        with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f,
+                      indent=2, sort_keys=True)
+        with open(os.path.join(partial, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+        assets = os.path.join(megatron_dir, checkpoint.ASSETS_DIR)
+        if os.path.isdir(assets):
+            for name in os.listdir(assets):
+                shutil.copy2(os.path.join(assets, name), partial)
+    _finish(partial, out_dir)
+    return {"out": out_dir, "family": arch.family, "layout": dims.describe()}
