@@ -29,7 +29,8 @@ def main():
         parser.add_argument(f"--{name}", type=int, default=1)
     parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--vpp", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--grads", action="store_true", help="also compare loss gradients")
     parser.add_argument("--dump", help="rank 0 saves {loss, grads} here for cross-layout checks")
@@ -44,7 +45,8 @@ def main():
     chunks = build_model(arch, dims, perform_initialization=False, moe_aux_loss_coeff=0.0)
     checkpoint.load(chunks, args.megatron_dir)
     tokens = parity.fixed_tokens(arch.vocab_size, args.batch, args.seq)
-    ours = parity.megatron_run(chunks, arch, tokens, backward=args.grads)
+    ours = parity.megatron_run(chunks, arch, tokens, backward=args.grads,
+                               micro_batches=args.micro_batches)
     ref = parity.hf_run(args.hf_dir, tokens, backward=args.grads)
 
     diff = torch.zeros(1, dtype=torch.float64)

@@ -82,6 +82,10 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
         gradient_accumulation_fusion=False,
         # RL batches change length every step: pipeline stages exchange shapes first.
         variable_seq_lengths=True,
+        # Unbatched p2p keeps the two directions of a 2-stage pipeline apart (gloo matches
+        # messages per peer in order); interleaving overlaps p2p with compute as Megatron-LM does.
+        batch_p2p_comm=False,
+        overlap_p2p_comm=dims.vpp is not None,
         moe_token_dispatcher_type="alltoall",  # the only dispatcher that allows variable lengths
         cp_comm_type="p2p" if use_te and dims.cp > 1 else None,
         **moe,

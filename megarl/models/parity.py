@@ -88,12 +88,17 @@ def wrap_ddp(chunks: List[torch.nn.Module]) -> List[DistributedDataParallel]:
 
 
 def megatron_run(chunks: List[torch.nn.Module], arch: ModelArch, tokens: torch.Tensor,
-                 backward: bool) -> ParityResult:
-    """Forward (and backward) on `tokens` [B, S] at the current layout. Collective."""
+                 backward: bool, micro_batches: int = 1) -> ParityResult:
+    """Forward (and backward) on `tokens` [B, S] at the current layout, in `micro_batches`
+    pipeline micro-batches. Collective."""
+    if tokens.shape[0] % micro_batches:
+        raise ValueError(f"batch {tokens.shape[0]} is not divisible by micro_batches {micro_batches}")
     cp_rank, cp_size = mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
     targets, mask = next_token_targets(tokens)
-    batch = dict(tokens=cp_local(tokens, cp_rank, cp_size),
-                 targets=cp_local(targets, cp_rank, cp_size), mask=cp_local(mask, cp_rank, cp_size))
+    batches = [dict(tokens=cp_local(t, cp_rank, cp_size), targets=cp_local(g, cp_rank, cp_size),
+                    mask=cp_local(m, cp_rank, cp_size))
+               for t, g, m in zip(tokens.chunk(micro_batches), targets.chunk(micro_batches),
+                                  mask.chunk(micro_batches))]
     model = wrap_ddp(chunks) if backward else chunks
     for chunk in model:
         chunk.train() if backward else chunk.eval()
@@ -105,20 +110,20 @@ def megatron_run(chunks: List[torch.nn.Module], arch: ModelArch, tokens: torch.T
         output = chunk(data["tokens"], None, None)
         return output, partial(_loss_func, arch.vocab_size, data["targets"], data["mask"])
 
-    iterators = [iter([batch]) for _ in model]
+    iterators = [iter(batches) for _ in model]
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(model) > 1 else iterators[0],
         model=model if len(model) > 1 else model[0],
-        num_microbatches=1, seq_length=batch["tokens"].shape[1],
-        micro_batch_size=tokens.shape[0], forward_only=not backward,
+        num_microbatches=micro_batches, seq_length=batches[0]["tokens"].shape[1],
+        micro_batch_size=batches[0]["tokens"].shape[0], forward_only=not backward,
     )
     totals = torch.zeros(2, dtype=torch.float64)
     logprobs = None
     if mpu.is_pipeline_last_stage():
-        out = outputs[0]
-        logprobs = _cp_gather(out["logprobs"])
-        totals += torch.tensor([float(out["loss_sum"]), float(out["num_tokens"])])
+        logprobs = torch.cat([_cp_gather(out["logprobs"]) for out in outputs])
+        totals += torch.tensor([sum(float(o["loss_sum"]) for o in outputs),
+                                sum(float(o["num_tokens"]) for o in outputs)])
         if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
             dist.all_reduce(totals, group=mpu.get_context_parallel_group())
             if cp_rank != 0:

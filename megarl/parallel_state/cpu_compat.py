@@ -213,6 +213,8 @@ def install() -> None:
     mappings._gather_along_first_dim = _uneven_gather_first_dim(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter_first_dim(
         mappings._reduce_scatter_along_first_dim)
+    p2p = sys.modules["megatron.core.pipeline_parallel.p2p_communication"]
+    p2p.P2PCommunicator._communicate_shapes = _communicate_shapes_unambiguously
     random = sys.modules["megatron.core.tensor_parallel.random"]
     random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -262,3 +264,27 @@ def _uneven_reduce_scatter_first_dim(original):
         return out[: input_split_sizes[group.rank()]]
 
     return reduce_scatter
+
+
+def _communicate_shapes_unambiguously(self, tensor_send_next, tensor_send_prev, recv_prev,
+                                      recv_next):
+    """Megatron batches the shape exchange with batch_isend_irecv; gloo matches messages between
+    two ranks in order, so with pp=2 (prev rank == next rank) "from prev" and "from next" can
+    swap and the interleaved schedule deadlocks. Route shapes through _p2p_ops, which uses a
+    separate communicator per direction for a 2-rank pipeline and an even/odd order otherwise."""
+    p2p = sys.modules["megatron.core.pipeline_parallel.p2p_communication"]
+
+    def shape_of(tensor):
+        return None if tensor is None else torch.tensor(tensor.size(), dtype=torch.int64)
+
+    recv_prev_shape = torch.empty(3, dtype=torch.int64) if recv_prev else None
+    recv_next_shape = torch.empty(3, dtype=torch.int64) if recv_next else None
+    reqs = p2p._p2p_ops(
+        tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=recv_prev_shape,
+        tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=recv_next_shape,
+        group=self.pp_group, prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank,
+    )
+    for req in reqs.values():
+        req.wait()
+    return ([0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
+            [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist())
