@@ -18,9 +18,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megarl.models.hf_config import ModelArch
+from megarl.models import checkpoint
+from megarl.models.builder import build_model
+from megarl.models.hf_config import ModelArch, arch_from_hf_config
 from megarl.models.hf_io import gather_hf_tensors
 from megarl.models.portable_layers import cp_positions
+from megarl.parallel_state.dims import ParallelDims
 
 
 @dataclass
@@ -166,6 +169,34 @@ def _hub_named(model, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tenso
     if model.config.tie_word_embeddings:
         named.pop("lm_head.weight", None)
     return named
+
+
+def check_checkpoint(hf_dir: str, megatron_dir: str, dims: ParallelDims, grads: bool,
+                     batch: int = 4, seq: int = 32, micro_batches: int = 2):
+    """Load `megatron_dir` at the current layout and compare with HF transformers on `hf_dir`.
+    Collective. Returns (summary dict, our ParityResult)."""
+    arch = arch_from_hf_config(checkpoint.read_model_file(megatron_dir)["hf_config"])
+    dims.check_sequence(seq)
+    chunks = build_model(arch, dims, perform_initialization=False, moe_aux_loss_coeff=0.0)
+    checkpoint.load(chunks, megatron_dir)
+    tokens = fixed_tokens(arch.vocab_size, batch, seq)
+    ours = megatron_run(chunks, arch, tokens, backward=grads, micro_batches=micro_batches)
+    ref = hf_run(hf_dir, tokens, backward=grads)
+    diff = torch.zeros(1, dtype=torch.float64)
+    if ours.logprobs is not None:
+        diff[0] = (ours.logprobs.double() - ref.logprobs.double()).abs().max()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    summary = {"layout": dims.describe(), "family": arch.family,
+               "max_abs_logprob_diff": float(diff[0]), "loss": ours.loss, "hf_loss": ref.loss,
+               "loss_rel_diff": abs(ours.loss - ref.loss) / abs(ref.loss)}
+    if grads:
+        mismatch = sorted(set(ref.grads) ^ set(ours.grads))
+        if mismatch:
+            raise RuntimeError(f"gradient names differ from HF's: {mismatch[:10]}")
+        rel = {name: relative_diff(ours.grads[name], ref.grads[name]) for name in ref.grads}
+        worst = max(rel, key=rel.get)
+        summary.update(max_grad_rel_diff=rel[worst], worst_grad=worst, num_grads=len(rel))
+    return summary, ours
 
 
 def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:

