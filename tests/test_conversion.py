@@ -44,8 +44,9 @@ def test_converter_refuses_existing_output(hf_models, megatron_models):
 
 
 def test_converter_refuses_unknown_tensors(hf_models, tmp_path):
-    from safetensors.torch import load_file, save_file
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     bad = tmp_path / "bad"
     shutil.copytree(hf_models["qwen3"], bad)
@@ -65,3 +66,12 @@ def test_verify_conversion_cli_prints_layout_and_diff(hf_models, megatron_models
                            "--ep", "2", "--etp", "1", nproc=2))
     assert result["layout"]["tp"] == 2 and result["layout"]["ep"] == 2
     assert result["max_abs_logprob_diff"] <= 1e-4
+
+
+def test_each_rank_reads_only_its_share(hf_models, tmp_path):
+    result = last_json(run("scripts/convert_hf_to_megatron.py", "--hf-dir", hf_models["mixtral"],
+                           "--out", str(tmp_path / "m"), nproc=2))
+    reads = result["hf_tensors_read_per_rank"]
+    assert result["layout"]["pp"] == 2
+    assert sum(reads) == result["hf_tensors_in_checkpoint"]  # every tensor read exactly once
+    assert max(reads) < 0.6 * result["hf_tensors_in_checkpoint"]

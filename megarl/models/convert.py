@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
@@ -17,7 +16,7 @@ from safetensors.torch import save_file
 from megarl.models import checkpoint
 from megarl.models.builder import build_model
 from megarl.models.hf_config import arch_from_hf_config, load_hf_config
-from megarl.models.hf_io import load_hf_weights, local_hf_tensors
+from megarl.models.hf_io import SafetensorsReader, load_hf_weights, local_hf_tensors
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 
@@ -49,13 +48,21 @@ def hf_to_megatron(hf_dir: str, out_dir: str) -> dict:
     megatron_groups.initialize(dims)
     partial = _fresh_output(out_dir)
     chunks = build_model(arch, dims, perform_initialization=False)
-    written = load_hf_weights(chunks, arch, hf_dir)
+    _, reads = load_hf_weights(chunks, arch, hf_dir)
     checkpoint.save(chunks, partial, hf_config, role="policy", hf_dir=hf_dir)
     _finish(partial, out_dir)
-    total = torch.tensor([written])
-    dist.all_reduce(total)
+    reads_per_rank = [None] * world
+    dist.all_gather_object(reads_per_rank, reads)
     return {"out": out_dir, "family": arch.family, "layout": dims.describe(),
-            "tensors_written_by_all_ranks": int(total)}
+            "hf_tensors_in_checkpoint": _count_tensors(hf_dir),
+            "hf_tensors_read_per_rank": reads_per_rank}
+
+
+def _count_tensors(hf_dir: str) -> int:
+    reader = SafetensorsReader(hf_dir)
+    count = len(reader.names())
+    reader.close()
+    return count
 
 
 def megatron_to_hf(megatron_dir: str, out_dir: str) -> dict:

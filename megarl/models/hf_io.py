@@ -35,6 +35,7 @@ class SafetensorsReader:
                 f"no model.safetensors or model.safetensors.index.json in {hf_dir!r}: megarl "
                 f"reads safetensors checkpoints (convert .bin files with transformers first)"
             )
+        self.reads = 0  # tensors read so far: the converters report it per rank
         self._stack = ExitStack()
         self._files: Dict[str, object] = {}
         self._dir = hf_dir
@@ -55,6 +56,7 @@ class SafetensorsReader:
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} is missing from the HF checkpoint in {self._dir!r}")
+        self.reads += 1
         return self._open(self.weight_map[name]).get_tensor(name)
 
     def close(self):
@@ -66,12 +68,14 @@ def _tied_output(arch: ModelArch, slot: ParamSlot, role: str) -> bool:
     return role == "policy" and arch.tie_embeddings and slot.canonical == "output_layer.weight"
 
 
-def check_hf_names(arch: ModelArch, names: List[str], hf_dir: str) -> None:
+def check_hf_names(arch: ModelArch, names: List[str], hf_dir: str, role: str = "policy") -> None:
     """Every tensor of the checkpoint must be one the weight table consumes: an unknown name
     means a config field megarl does not model, and dropping it would change the model."""
-    known = {h for entry in weight_tables.entries(arch) for h in entry.hf}
-    if arch.tie_embeddings:
-        known.add("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+    known = {h for entry in weight_tables.entries(arch, role) for h in entry.hf}
+    if arch.tie_embeddings or role == "value":
+        # Tied checkpoints may store the shared matrix twice; a critic started from a policy
+        # checkpoint drops its LM head.
+        known.add("lm_head.weight")
     unknown = sorted(set(names) - known)
     if unknown:
         raise ValueError(
@@ -87,11 +91,12 @@ def entry_of(arch: ModelArch, slot: ParamSlot, role: str) -> weight_tables.Entry
 
 @torch.no_grad()
 def load_hf_weights(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
-                    role: str = "policy") -> int:
-    """Fill this rank's shards from the HF checkpoint; return the number of tensors written.
+                    role: str = "policy") -> Tuple[int, int]:
+    """Fill this rank's shards from the HF checkpoint; return (parameters written, HF tensors
+    read) on this rank.
     The value head, which a causal-LM checkpoint does not have, keeps its initialization."""
     reader = SafetensorsReader(hf_dir)
-    check_hf_names(arch, reader.names(), hf_dir)
+    check_hf_names(arch, reader.names(), hf_dir, role)
     tp = mpu.get_tensor_model_parallel_world_size()
     params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
     written = 0
@@ -112,7 +117,7 @@ def load_hf_weights(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
             written += 1
     finally:
         reader.close()
-    return written
+    return written, reader.reads
 
 
 def local_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str = "policy",

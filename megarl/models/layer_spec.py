@@ -4,6 +4,7 @@ Both specs produce the same checkpoint keys (Megatron maps TE's fused layer-norm
 the local names in sharded_state_dict), so a checkpoint moves freely between a CPU and a GPU run.
 """
 
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
@@ -18,7 +19,6 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megarl.models.portable_layers import PortableCoreAttention, RMSNorm
 

@@ -84,7 +84,7 @@ def param_slots(chunks: List[torch.nn.Module]) -> List[ParamSlot]:
         owners = {f"{prefix}.{pname}" if prefix else pname: (module, pname)
                   for prefix, module in chunk.named_modules()
                   for pname, _ in module.named_parameters(recurse=False)}
-        for name, param in chunk.named_parameters():
+        for name, _ in chunk.named_parameters():
             is_expert = ".experts." in name
             if is_expert:
                 tp_rank, tp_size = (mpu.get_expert_tensor_parallel_rank(),

@@ -14,8 +14,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.models import checkpoint
@@ -90,6 +93,24 @@ def wrap_ddp(chunks: List[torch.nn.Module]) -> List[DistributedDataParallel]:
     return [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
 
 
+def _schedule(model: List[torch.nn.Module], batches: List[dict], make_loss, backward: bool):
+    """Run Megatron's forward_backward_func (any PP/VPP schedule) over `batches`, one per
+    micro-batch; `make_loss(batch)` returns the loss function of that micro-batch's output."""
+
+    def forward_step(data_iterator, chunk):
+        data = next(data_iterator)
+        return chunk(data["tokens"], None, None), make_loss(data)
+
+    iterators = [iter(batches) for _ in model]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(batches), seq_length=batches[0]["tokens"].shape[1],
+        micro_batch_size=batches[0]["tokens"].shape[0], forward_only=not backward,
+    )
+
+
 def megatron_run(chunks: List[torch.nn.Module], arch: ModelArch, tokens: torch.Tensor,
                  backward: bool, micro_batches: int = 1) -> ParityResult:
     """Forward (and backward) on `tokens` [B, S] at the current layout, in `micro_batches`
@@ -107,20 +128,8 @@ def megatron_run(chunks: List[torch.nn.Module], arch: ModelArch, tokens: torch.T
         chunk.train() if backward else chunk.eval()
         if backward:
             chunk.zero_grad_buffer()
-
-    def forward_step(data_iterator, chunk):
-        data = next(data_iterator)
-        output = chunk(data["tokens"], None, None)
-        return output, partial(_loss_func, arch.vocab_size, data["targets"], data["mask"])
-
-    iterators = [iter(batches) for _ in model]
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(model) > 1 else iterators[0],
-        model=model if len(model) > 1 else model[0],
-        num_microbatches=micro_batches, seq_length=batches[0]["tokens"].shape[1],
-        micro_batch_size=batches[0]["tokens"].shape[0], forward_only=not backward,
-    )
+    outputs = _schedule(model, batches, lambda data: partial(
+        _loss_func, arch.vocab_size, data["targets"], data["mask"]), backward)
     totals = torch.zeros(2, dtype=torch.float64)
     logprobs = None
     if mpu.is_pipeline_last_stage():
@@ -138,6 +147,24 @@ def megatron_run(chunks: List[torch.nn.Module], arch: ModelArch, tokens: torch.T
     if backward:
         grads = gather_hf_tensors(chunks, arch, tensor_of=lambda p: p.main_grad)
     return ParityResult(logprobs=logprobs, loss=float(totals[0] / totals[1]), grads=grads)
+
+
+def _values_func(values):  # values [b, s/cp, 1]
+    return values.sum() * 0.0, torch.tensor(1), {"values": values.squeeze(-1).detach()}
+
+
+@torch.no_grad()
+def megatron_values(chunks: List[torch.nn.Module], tokens: torch.Tensor) -> torch.Tensor:
+    """Value-model forward on `tokens` [B, S]; returns values [B, S] on every rank. Collective."""
+    cp_rank, cp_size = mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
+    for chunk in chunks:
+        chunk.eval()
+    outputs = _schedule(chunks, [dict(tokens=cp_local(tokens, cp_rank, cp_size))],
+                        lambda data: _values_func, backward=False)
+    values = _cp_gather(outputs[0]["values"]) if mpu.is_pipeline_last_stage() else None
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, values)
+    return next(v for v in everyone if v is not None)
 
 
 def hf_run(hf_dir: str, tokens: torch.Tensor, backward: bool) -> ParityResult:

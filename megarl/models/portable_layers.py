@@ -26,7 +26,7 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x):  # [..., H]
         dtype = x.dtype

@@ -104,9 +104,9 @@ def entries(arch: ModelArch, role: str = "policy") -> Iterator[Entry]:
     """Every Megatron tensor of the full model, in layer order."""
     for row in rows(arch, role):
         if "{expert}" in row.megatron:
-            ids = [(l, e) for l in range(arch.num_layers) for e in range(arch.num_experts)]
+            ids = [(layer, e) for layer in range(arch.num_layers) for e in range(arch.num_experts)]
         elif "{layer}" in row.megatron:
-            ids = [(l, None) for l in range(arch.num_layers)]
+            ids = [(layer, None) for layer in range(arch.num_layers)]
         else:
             ids = [(None, None)]
         for layer, expert in ids:

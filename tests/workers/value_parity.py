@@ -1,0 +1,37 @@
+"""torchrun worker: build the value model (policy trunk + ValueHead) at one layout from an HF
+checkpoint that carries a `score.weight` head, and have rank 0 save the values it computes."""
+
+import argparse
+
+import torch
+
+from megarl.models import parity
+from megarl.models.builder import build_model
+from megarl.models.hf_config import load_arch
+from megarl.models.hf_io import load_hf_weights
+from megarl.parallel_state import megatron_groups
+from megarl.parallel_state.dims import ParallelDims
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--out", required=True)
+    for name in ("tp", "pp", "cp", "ep"):
+        parser.add_argument(f"--{name}", type=int, default=1)
+    args = parser.parse_args()
+    world = megatron_groups.init_distributed()
+    dims = ParallelDims(world_size=world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    megatron_groups.initialize(dims)
+    arch = load_arch(args.hf_dir)
+    chunks = build_model(arch, dims, role="value", moe_aux_loss_coeff=0.0)
+    written, _ = load_hf_weights(chunks, arch, args.hf_dir, role="value")
+    tokens = parity.fixed_tokens(arch.vocab_size, 4, 32)
+    values = parity.megatron_values(chunks, tokens)
+    if megatron_groups.is_rank0():
+        torch.save({"values": values, "written": written}, args.out)
+    megatron_groups.destroy()
+
+
+if __name__ == "__main__":
+    main()
