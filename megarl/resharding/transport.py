@@ -1,0 +1,52 @@
+"""Moving one bucket's pieces to every rank and joining them into full Megatron tensors.
+
+One broadcast per owner rank per bucket: the owner packs its pieces into one flat buffer, every
+rank receives it (NCCL on GPU, gloo on CPU). With one rank, nothing moves. Memory in flight:
+the bucket's flat buffers plus the joined full tensors.
+"""
+
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.param_layout import ParamSlot, join_shards
+from megarl.resharding.plan import Bucket, Piece
+
+_DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
+           "torch.float16": torch.float16}
+
+
+def _slot(piece: Piece) -> ParamSlot:
+    return ParamSlot(chunk=0, local_name="", canonical=piece.canonical, tp_dim=piece.tp_dim,
+                     tp_rank=piece.tp_rank, tp_size=piece.tp_size, glu=piece.glu, expert=False)
+
+
+def fetch_bucket(bucket: Bucket, local: Dict[Tuple[str, int], torch.Tensor],
+                 device: torch.device) -> Tuple[Dict[str, torch.Tensor], int]:
+    """Full tensors of the bucket on every rank, and the bytes this call allocated."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    received: Dict[Tuple[str, int], torch.Tensor] = {}
+    allocated = 0
+    for owner in bucket.owners():
+        pieces = [p for t in bucket.tensors for p in t.pieces if p.rank == owner]
+        dtype = _DTYPES[pieces[0].dtype]
+        if any(p.dtype != pieces[0].dtype for p in pieces):
+            raise ValueError(f"rank {owner} holds mixed dtypes in one bucket: "
+                             f"{sorted({p.dtype for p in pieces})}")
+        if owner == rank:
+            flat = torch.cat([local[(p.canonical, p.tp_rank)].reshape(-1) for p in pieces])
+        else:
+            flat = torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
+        allocated += flat.numel() * flat.element_size()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(flat, src=owner)
+        for piece, part in zip(pieces, flat.split([p.numel for p in pieces])):
+            received[(piece.canonical, piece.tp_rank)] = part.view(piece.shape)
+    full = {}
+    for tensor in bucket.tensors:
+        parts = [received[(p.canonical, p.tp_rank)] for p in tensor.pieces]
+        full[tensor.canonical] = join_shards(parts, _slot(tensor.pieces[0]))
+        if len(parts) > 1:
+            allocated += full[tensor.canonical].numel() * full[tensor.canonical].element_size()
+    return full, allocated

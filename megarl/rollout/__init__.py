@@ -1,0 +1,1 @@
+"""Rollout: the RolloutEngine protocol and its vLLM implementation (colocated, external launcher)."""

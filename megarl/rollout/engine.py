@@ -1,0 +1,85 @@
+"""RolloutEngine: what the RL loop needs from an inference engine, and nothing more.
+
+Owns the protocol and the types that cross it. Engines (vLLM today) implement it; the loop and
+megarl.resharding only talk to this surface.
+"""
+
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    n: int = 1                      # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                 # -1: no top-k
+    max_new_tokens: int = 64
+    stop_token_ids: Tuple[int, ...] = ()
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class RolloutSample:
+    prompt_ids: List[int]
+    response_ids: List[int]
+    logprobs: torch.Tensor          # [R] log-prob of each response token under the sampler
+    prompt_index: int               # which prompt of the request this sample answers
+    finish_reason: str = ""
+
+
+@dataclass
+class WeightUpdateReport:
+    """What an engine saw during one weight update; `missing` and `unexpected` must be empty."""
+    params_expected: int
+    params_loaded: int
+    missing: List[str] = field(default_factory=list)
+    unexpected: List[str] = field(default_factory=list)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
+        """Sample `sampling.n` responses per prompt (token ids in, token ids and log-probs out)."""
+
+    def begin_weight_update(self) -> None:
+        """Prepare to receive a complete new set of weights, in any number of load calls."""
+
+    def load_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Receive some full HF-named tensors; the engine shards them for its own layout."""
+
+    def finish_weight_update(self) -> WeightUpdateReport:
+        """Finalize; report every engine parameter that was or was not written."""
+
+    def release_memory(self) -> None:
+        """Free generation memory (KV cache, and weights where supported) while training runs."""
+
+    def resume_memory(self) -> None:
+        """Re-acquire what release_memory freed, before the next generate."""
+
+    def shutdown(self) -> None:
+        ...
+
+
+def check_update(report: WeightUpdateReport) -> WeightUpdateReport:
+    """Raise if a weight update left engine parameters unwritten or wrote unknown ones."""
+    if report.missing or report.unexpected:
+        raise RuntimeError(
+            f"weight update incomplete: {len(report.missing)} engine parameters not written "
+            f"(e.g. {report.missing[:5]}), {len(report.unexpected)} unexpected "
+            f"(e.g. {report.unexpected[:5]}); the sync plan and the engine's model disagree"
+        )
+    return report
