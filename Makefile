@@ -34,7 +34,8 @@ lint: install
 	$(BIN)/ruff check megarl scripts tests
 
 # Until the trainer lands: make a tiny Qwen3-MoE, convert it with 2 ranks, check it against HF
-# transformers at TP2 x EP2 (log-probs, loss, gradients), export it back and check bit-exactness.
+# transformers at TP2 x EP2 (log-probs, loss, gradients), export it back and check bit-exactness,
+# then perturb the actor, sync it into a colocated vLLM (rollout TP2) and check vLLM's log-probs.
 DEMO := runs/demo
 demo: install
 	rm -rf $(DEMO) && mkdir -p $(DEMO)
@@ -45,6 +46,8 @@ demo: install
 		--hf-dir $(DEMO)/hf --megatron-dir $(DEMO)/megatron --tp 2 --ep 2 --etp 1 --grads
 	$(BIN)/python scripts/convert_megatron_to_hf.py --megatron-dir $(DEMO)/megatron --out $(DEMO)/hf_export
 	$(BIN)/python scripts/compare_hf_checkpoints.py $(DEMO)/hf $(DEMO)/hf_export
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) scripts/verify_sync.py \
+		--hf-dir $(DEMO)/hf --tp 2 --ep 2 --etp 1 --rollout-tp 2 --perturb 0.05
 
 lock: install
 	$(BIN)/pip freeze --exclude-editable | sort -f > requirements/cpu-lock.new && \

@@ -63,6 +63,8 @@ def main():
               "params_synced": report.params_synced, "params_expected": report.params_expected,
               "tensors_sent": report.tensors_sent, "buckets": report.buckets,
               "sync_seconds": report.sync_seconds, "peak_extra_bytes": report.peak_extra_bytes,
+              "model_bytes": report.model_bytes,
+              "largest_tensor_bytes": report.largest_tensor_bytes,
               "samples": len(samples)}
     if megatron_groups.is_rank0():
         print(json.dumps(result))

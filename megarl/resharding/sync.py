@@ -25,7 +25,10 @@ class SyncReport:
     tensors_sent: int         # full Megatron tensors moved
     buckets: int
     sync_seconds: float
-    peak_extra_bytes: int     # largest memory the sync itself held at once (buffers + HF tensors)
+    peak_extra_bytes: int     # most memory the sync allocated at once (bucket buffers, joined
+                              # full tensors and HF-format copies of one bucket; an upper bound)
+    model_bytes: int          # all full tensors: what a rank would hold without bucketing
+    largest_tensor_bytes: int
 
 
 @torch.no_grad()
@@ -49,4 +52,6 @@ def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: Rollout
     report = check_update(engine.finish_weight_update())
     return SyncReport(params_synced=report.params_loaded, params_expected=report.params_expected,
                       tensors_sent=sum(len(b.tensors) for b in plan), buckets=len(plan),
-                      sync_seconds=time.perf_counter() - start, peak_extra_bytes=peak)
+                      sync_seconds=time.perf_counter() - start, peak_extra_bytes=peak,
+                      model_bytes=sum(b.nbytes for b in plan),
+                      largest_tensor_bytes=max(t.nbytes for b in plan for t in b.tensors))

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.hf_config import load_arch
-from megarl.rollout.engine import RolloutSample, SamplingConfig, WeightUpdateReport
 from megarl.rollout import vllm_cpu_fixes
+from megarl.rollout.engine import RolloutSample, SamplingConfig, WeightUpdateReport
 
 _ON_CPU = not torch.cuda.is_available()
 
