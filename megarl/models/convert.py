@@ -23,8 +23,6 @@ from megarl.parallel_state.dims import ParallelDims
 
 def _fresh_output(out_dir: str) -> str:
     """Write into OUT.partial and rename at the end: a half-written OUT never exists."""
-    if os.path.exists(out_dir):
-        raise FileExistsError(f"output {out_dir!r} already exists; remove it or pick another path")
     partial = out_dir.rstrip("/") + ".partial"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -40,14 +38,22 @@ def _finish(partial: str, out_dir: str) -> None:
     dist.barrier()
 
 
-def hf_to_megatron(hf_dir: str, out_dir: str) -> dict:
-    hf_config = load_hf_config(hf_dir)
+def _start(hf_config: dict, out_dir: str):
+    """Validate, join the world, and build the empty model in the conversion layout."""
+    if os.path.exists(out_dir):  # before any work, so nothing is lost
+        raise FileExistsError(f"output {out_dir!r} already exists; remove it or pick another path")
     arch = arch_from_hf_config(hf_config)
     world = megatron_groups.init_distributed()
     dims = ParallelDims.for_conversion(world, arch.num_layers)
     megatron_groups.initialize(dims)
     partial = _fresh_output(out_dir)
-    chunks = build_model(arch, dims, perform_initialization=False)
+    return arch, dims, partial, build_model(arch, dims, perform_initialization=False)
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str) -> dict:
+    hf_config = load_hf_config(hf_dir)
+    arch, dims, partial, chunks = _start(hf_config, out_dir)
+    world = dims.world_size
     _, reads = load_hf_weights(chunks, arch, hf_dir)
     checkpoint.save(chunks, partial, hf_config, role="policy", hf_dir=hf_dir)
     _finish(partial, out_dir)
@@ -66,14 +72,9 @@ def _count_tensors(hf_dir: str) -> int:
 
 
 def megatron_to_hf(megatron_dir: str, out_dir: str) -> dict:
-    model_file = checkpoint.read_model_file(megatron_dir)
-    hf_config = model_file["hf_config"]
-    arch = arch_from_hf_config(hf_config)
-    world = megatron_groups.init_distributed()
-    dims = ParallelDims.for_conversion(world, arch.num_layers)
-    megatron_groups.initialize(dims)
-    partial = _fresh_output(out_dir)
-    chunks = build_model(arch, dims, perform_initialization=False)
+    hf_config = checkpoint.read_model_file(megatron_dir)["hf_config"]
+    arch, dims, partial, chunks = _start(hf_config, out_dir)
+    world = dims.world_size
     checkpoint.load(chunks, megatron_dir)
     stage, stages = mpu.get_pipeline_model_parallel_rank(), dims.pp
     filename = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
