@@ -17,6 +17,7 @@ CASES = {
     "pp2_kv_heads_below_rollout_tp": (2, "qwen2_gqa1", ["--pp", "2", "--rollout-tp", "2"]),
     "pp2_tied_into_rollout_tp1": (2, "llama_tied", ["--pp", "2", "--rollout-tp", "1"]),
     "ep2_into_rollout_tp2": (2, "mixtral", ["--ep", "2", "--rollout-tp", "2"]),
+    "ep2_into_rollout_tp1_moe_data_parallel": (2, "qwen3_moe", ["--ep", "2", "--rollout-tp", "1"]),
     "tp2_ep2_etp1_small_buckets": (2, "qwen3_moe", ["--tp", "2", "--ep", "2", "--etp", "1",
                                                     "--rollout-tp", "2", "--bucket-mb", "0.25"]),
     "tp2_pp2_into_rollout_tp1": (4, "qwen3", ["--tp", "2", "--pp", "2", "--rollout-tp", "1"]),

@@ -69,3 +69,37 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
         return False
     head.quant_method.process_weights_after_loading(head)
     return True
+
+
+def _all_gatherv(self, input_, dim: int = 0, sizes=None):
+    """Variable-size all-gather over the communicator's group: pad every rank's part to the
+    largest, all-gather, trim. Accepts a tensor or a list of tensors, like vLLM's interface."""
+    if isinstance(input_, (list, tuple)):
+        return [_all_gatherv(self, t, dim, sizes) for t in input_]
+    moved = input_.movedim(dim, 0)
+    largest = max(sizes)
+    padded = moved.new_zeros(largest, *moved.shape[1:])
+    padded[: moved.shape[0]] = moved
+    out = moved.new_empty(largest * self.world_size, *moved.shape[1:])
+    torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=self.device_group)
+    parts = [part[:n] for part, n in zip(out.split(largest), sizes)]
+    return torch.cat(parts).movedim(0, dim)
+
+
+def _reduce_scatterv(self, input_, dim: int = -1, sizes=None):
+    """Variable-size reduce-scatter: sum over the group, keep this rank's slice."""
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=self.device_group)
+    start = sum(sizes[: self.rank_in_group])
+    return total.narrow(dim, start, sizes[self.rank_in_group])
+
+
+def add_variable_size_collectives() -> None:
+    """vLLM's CPU communicator lacks all_gatherv/reduce_scatterv, which MoE models need when
+    several data-parallel engines share experts (rollout tp < world size). Provide them."""
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    if "all_gatherv" not in vars(CpuCommunicator):
+        CpuCommunicator.all_gatherv = _all_gatherv
+    if "reduce_scatterv" not in vars(CpuCommunicator):
+        CpuCommunicator.reduce_scatterv = _reduce_scatterv

