@@ -1,0 +1,153 @@
+"""Advantage estimators: rewards (and values) -> per-token advantages and critic targets.
+
+Owns the estimators and their registry. Does not own rewards, the KL penalty (callers fold it into
+`token_rewards`, see kl.py) or batching: group statistics and whitening span exactly the tensors
+passed in, so call these once on the whole rollout batch, before it is split into micro-batches.
+
+Every estimator takes the same keyword-only arguments, so `ADVANTAGE_ESTIMATORS[name](**inputs)`
+works for any name: the inputs an estimator uses have no default, the ones it ignores default to
+None. Each returns (advantages [B, T], returns [B, T]), zero on masked tokens. Critic-free
+estimators return their advantages as `returns`.
+
+Standard deviations are sample (unbiased, n - 1) ones, like `torch.std` and verl; a group of one
+sequence gets advantage 0 (verl instead gives it r / (1 + eps)).
+"""
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+Pair = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _group_sum(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """x [B] summed over each sequence's group, returned per sequence [B]."""
+    groups, inverse = torch.unique(group_ids, return_inverse=True)
+    return x.new_zeros(len(groups)).index_add_(0, inverse, x)[inverse]
+
+
+def _centered(seq_rewards: torch.Tensor, group_ids: torch.Tensor) -> Pair:
+    """(r - group mean [B], group size [B]). A group of one centers to exactly 0."""
+    size = _group_sum(torch.ones_like(seq_rewards), group_ids)
+    return seq_rewards - _group_sum(seq_rewards, group_ids) / size, size
+
+
+def _whiten(x: torch.Tensor, keep: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the real tokens of the whole batch [B, T]; 0 on padding."""
+    weight = keep.to(x.dtype)
+    count = weight.sum()
+    centered = (x - (x * weight).sum() / count) * weight
+    std = ((centered ** 2).sum() / (count - 1).clamp(min=1)).sqrt()
+    return centered / (std + eps)
+
+
+def _discounted_advantages(token_rewards: torch.Tensor, values: torch.Tensor, keep: torch.Tensor,
+                           gamma: float, lam: float) -> torch.Tensor:
+    """GAE recursion over each row's real tokens [B, T]. A masked token is treated as absent:
+    the recursion steps over it, so padding never leaks into earlier tokens, holes (e.g. tool
+    output between turns) are skipped, and the value after the last real token is 0 (terminal)."""
+    next_value = values.new_zeros(values.shape[0])  # [B]
+    next_advantage = values.new_zeros(values.shape[0])  # [B]
+    steps = []
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(keep[:, t], values[:, t], next_value)
+        next_advantage = torch.where(keep[:, t], advantage, next_advantage)
+        steps.append(next_advantage)
+    return torch.where(keep, torch.stack(steps[::-1], dim=1), 0)
+
+
+def _per_token(seq_advantages: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, T], 0 on padding."""
+    return torch.where(keep, seq_advantages[:, None], 0)
+
+
+def gae(*, token_rewards: torch.Tensor,  # [B, T]
+        seq_rewards: Optional[torch.Tensor] = None,
+        values: torch.Tensor,  # [B, T]
+        mask: torch.Tensor,  # [B, T]
+        group_ids: Optional[torch.Tensor] = None,
+        gamma: float, lam: float, eps: Optional[float] = None) -> Pair:
+    """Generalized advantage estimation (PPO with a critic); returns = advantages + values.
+    Not whitened: whitening, if wanted, is the caller's step."""
+    keep = mask.bool()
+    advantages = _discounted_advantages(token_rewards, values, keep, gamma, lam)
+    return advantages, torch.where(keep, advantages + values, 0)
+
+
+def grpo(*, token_rewards: Optional[torch.Tensor] = None,
+         seq_rewards: torch.Tensor,  # [B]
+         values: Optional[torch.Tensor] = None,
+         mask: torch.Tensor,  # [B, T]
+         group_ids: torch.Tensor,  # [B] ints, groups may differ in size
+         gamma: Optional[float] = None, lam: Optional[float] = None, eps: float) -> Pair:
+    """(r - group mean) / (group sample std + eps), the same on every token of a sequence."""
+    centered, size = _centered(seq_rewards, group_ids)
+    std = (_group_sum(centered ** 2, group_ids) / (size - 1).clamp(min=1)).sqrt()
+    advantages = _per_token(centered / (std + eps), mask.bool())
+    return advantages, advantages
+
+
+def dr_grpo(*, token_rewards: Optional[torch.Tensor] = None,
+            seq_rewards: torch.Tensor,  # [B]
+            values: Optional[torch.Tensor] = None,
+            mask: torch.Tensor,  # [B, T]
+            group_ids: torch.Tensor,  # [B]
+            gamma: Optional[float] = None, lam: Optional[float] = None,
+            eps: Optional[float] = None) -> Pair:
+    """Dr. GRPO: r - group mean, no std normalization."""
+    advantages = _per_token(_centered(seq_rewards, group_ids)[0], mask.bool())
+    return advantages, advantages
+
+
+def rloo(*, token_rewards: Optional[torch.Tensor] = None,
+         seq_rewards: torch.Tensor,  # [B]
+         values: Optional[torch.Tensor] = None,
+         mask: torch.Tensor,  # [B, T]
+         group_ids: torch.Tensor,  # [B]
+         gamma: Optional[float] = None, lam: Optional[float] = None,
+         eps: Optional[float] = None) -> Pair:
+    """REINFORCE leave-one-out: r_i - mean of the other members of its group (0 alone)."""
+    size = _group_sum(torch.ones_like(seq_rewards), group_ids)
+    others = (_group_sum(seq_rewards, group_ids) - seq_rewards) / (size - 1).clamp(min=1)
+    advantages = _per_token(torch.where(size > 1, seq_rewards - others, 0), mask.bool())
+    return advantages, advantages
+
+
+def reinforce_plus_plus(*, token_rewards: torch.Tensor,  # [B, T], KL penalty already folded in
+                        seq_rewards: Optional[torch.Tensor] = None,
+                        values: Optional[torch.Tensor] = None,
+                        mask: torch.Tensor,  # [B, T]
+                        group_ids: Optional[torch.Tensor] = None,
+                        gamma: float, lam: Optional[float] = None, eps: float) -> Pair:
+    """REINFORCE++: discounted return-to-go (masked tokens skipped, as in gae), whitened over all
+    real tokens of the batch."""
+    keep = mask.bool()
+    to_go = _discounted_advantages(token_rewards, torch.zeros_like(token_rewards), keep, gamma, 1.0)
+    advantages = _whiten(to_go, keep, eps)
+    return advantages, advantages
+
+
+def reinforce_plus_plus_baseline(*, token_rewards: Optional[torch.Tensor] = None,
+                                 seq_rewards: torch.Tensor,  # [B]
+                                 values: Optional[torch.Tensor] = None,
+                                 mask: torch.Tensor,  # [B, T]
+                                 group_ids: torch.Tensor,  # [B]
+                                 gamma: Optional[float] = None, lam: Optional[float] = None,
+                                 eps: float) -> Pair:
+    """REINFORCE++ with baseline: r - group mean on every token, whitened over all real tokens of
+    the batch (so longer sequences weigh more in the batch statistics)."""
+    keep = mask.bool()
+    advantages = _whiten(_per_token(_centered(seq_rewards, group_ids)[0], keep), keep, eps)
+    return advantages, advantages
+
+
+ADVANTAGE_ESTIMATORS: Dict[str, Callable[..., Pair]] = {
+    "gae": gae,
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "reinforce_plus_plus": reinforce_plus_plus,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
+}

@@ -1,0 +1,37 @@
+"""Per-token KL estimators between the policy and the reference model, and entropy from logits.
+
+Owns the estimators k1, k2, k3 (Schulman's naming) and their registry. Does not own masking or
+reducing tokens (aggregation.py), nor whether KL is a reward penalty or a loss term (the caller).
+"""
+
+from typing import Callable, Dict
+
+import torch
+
+
+def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T]
+    """log pi - log pi_ref: unbiased, high variance, can be negative."""
+    return logprobs - ref_logprobs
+
+
+def k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T]
+    """0.5 * (log pi - log pi_ref)^2: biased, low variance."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T]
+    """exp(d) - d - 1 with d = log pi_ref - log pi: unbiased, non-negative. expm1 keeps precision
+    when the policies are close."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.expm1(log_ratio) - log_ratio
+
+
+KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": k1, "k2": k2, "k3": k3,
+}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...]
+    """Entropy of softmax(logits) over the full vocabulary: logsumexp(x) - sum(p * x).
+    Logits must be finite; slice padded vocab off first (vocab_parallel.py does it for shards)."""
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
