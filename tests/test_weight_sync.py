@@ -64,3 +64,31 @@ def test_stale_shared_memory_segments_are_removed(tmp_path):
         assert "megarl-test-stale-cpushm" in removed
         assert os.path.exists(live) and not os.path.exists(stale)
     os.unlink(live)
+
+
+def test_a_killed_run_does_not_break_the_next(hf_models):
+    """kill -9 during a rollout-TP2 run leaves vLLM's CPU shared-memory segments behind; the
+    next run must clean them up instead of failing with errno 17."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from megarl.rollout import vllm_cpu_fixes
+
+    args = ["--hf-dir", hf_models["qwen3"], "--tp", "2", "--rollout-tp", "2"]
+    victim = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "scripts/verify_sync.py", *args],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(
+            "cpushm" in name for name in os.listdir(vllm_cpu_fixes.SHM_DIR)):
+        time.sleep(0.5)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    time.sleep(1)
+    assert any("cpushm" in name for name in os.listdir(vllm_cpu_fixes.SHM_DIR))
+    result = last_json(run("scripts/verify_sync.py", *args, nproc=2, timeout=900))
+    assert result["max_abs_logprob_diff"] <= 1e-4
