@@ -38,15 +38,14 @@ def test_gate_up_and_vocab_padding_round_trip():
 
 
 def _slot(tp_dim, tp_rank, tp_size, glu=False):
-    return ParamSlot(chunk=0, local_name="w", canonical="w", tp_dim=tp_dim, tp_rank=tp_rank,
-                     tp_size=tp_size, glu=glu, expert=False)
+    return ParamSlot(canonical="w", tp_dim=tp_dim, tp_rank=tp_rank, tp_size=tp_size, glu=glu)
 
 
 @pytest.mark.parametrize("tp_dim,glu", [(0, False), (1, False), (0, True), (None, False)])
 def test_local_shards_join_back_to_the_full_tensor(tp_dim, glu):
     full = torch.randn(8, 6)
     shards = [local_shard(full, _slot(tp_dim, r, 2, glu)) for r in range(2)]
-    assert torch.equal(join_shards(shards, _slot(tp_dim, 0, 2, glu)), full)
+    assert torch.equal(join_shards(shards, tp_dim, glu), full)
 
 
 def test_glu_shard_holds_matching_gate_and_up_rows():

@@ -98,16 +98,14 @@ def load_hf_weights(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
     reader = SafetensorsReader(hf_dir)
     check_hf_names(arch, reader.names(), hf_dir, role)
     tp = mpu.get_tensor_model_parallel_world_size()
-    params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
     written = 0
     try:
-        for slot in param_slots(chunks):
+        for slot, param in param_slots(chunks):
             entry = entry_of(arch, slot, role)
             if entry.hf == weight_tables.VALUE_HEAD.hf and entry.hf[0] not in reader.weight_map:
                 continue
             full = weight_tables.read_entry(arch, entry, reader, tp)
             shard = local_shard(full, slot)
-            param = params[(slot.chunk, slot.local_name)]
             if shard.shape != param.shape:
                 raise ValueError(
                     f"{entry.hf} -> {slot.canonical}: shard shape {tuple(shard.shape)} does not "
@@ -125,14 +123,12 @@ def local_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str =
                      ) -> Iterator[Tuple[str, torch.Tensor]]:
     """HF tensors of this rank's parameters; valid only where nothing is TP-sharded (tp=etp=1),
     as in the converter's layout. `tensor_of` picks what to export (default: the weights)."""
-    params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
-    for slot in param_slots(chunks):
+    for slot, param in param_slots(chunks):
         if slot.tp_dim is not None:
             raise ValueError(f"{slot.canonical} is TP-sharded; export needs tp = etp = 1 "
                              f"(use gather_hf_tensors for a sharded layout)")
         if _tied_output(arch, slot, role):
             continue
-        param = params[(slot.chunk, slot.local_name)]
         tensor = param.detach() if tensor_of is None else tensor_of(param)
         yield from weight_tables.to_hf(arch, entry_of(arch, slot, role), tensor).items()
 
@@ -144,12 +140,10 @@ def gather_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str 
 
     For verification and small models only: each rank ends up holding the whole model. The
     weight-sync path to vLLM streams instead (megarl.resharding)."""
-    params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
     mine = []
-    for slot in param_slots(chunks):
+    for slot, param in param_slots(chunks):
         if _tied_output(arch, slot, role):
             continue
-        param = params[(slot.chunk, slot.local_name)]
         tensor = param.detach() if tensor_of is None else tensor_of(param)
         mine.append((slot, tensor.detach().cpu()))
     everyone = [None] * dist.get_world_size()
@@ -165,6 +159,6 @@ def gather_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str 
     for canonical, by_rank in shards.items():
         slot = slot_of[canonical]
         full = join_shards([by_rank[r] for r in range(slot.tp_size if slot.tp_dim is not None
-                                                      else 1)], slot)
+                                                      else 1)], slot.tp_dim, slot.glu)
         result.update(weight_tables.to_hf(arch, entry_of(arch, slot, role), full))
     return result

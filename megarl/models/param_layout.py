@@ -1,14 +1,14 @@
 """Where each local parameter of a Megatron model sits in the full model.
 
 Owns the metadata every weight movement needs: HF loading, HF export, gathering full gradients,
-and (later) resharding into vLLM. For each parameter of each model chunk on this rank: its
+and resharding into vLLM. For each parameter of each model chunk on this rank: its
 canonical full-model name (global layer and expert ids), and how the local tensor is cut from
 the full one (TP dimension, SwiGLU halves). Pure given the model and the rank coordinates.
 """
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state as mpu
@@ -31,14 +31,11 @@ _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
 @dataclass(frozen=True)
 class ParamSlot:
-    chunk: int                 # virtual pipeline stage index on this rank
-    local_name: str            # name in chunk.named_parameters()
     canonical: str             # full-model name used by the weight tables
     tp_dim: Optional[int]      # dimension sharded over the (expert-)TP group; None: replicated
     tp_rank: int
     tp_size: int
     glu: bool                  # SwiGLU fc1: gate and up halves are sharded separately
-    expert: bool
 
 
 def _canonical(chunk_model, name: str, num_local_experts: int, ep_rank: int) -> str:
@@ -75,32 +72,30 @@ def _tp_dim(module: torch.nn.Module, param_name: str) -> Optional[int]:
     return None
 
 
-def param_slots(chunks: List[torch.nn.Module]) -> List[ParamSlot]:
+def param_slots(chunks: List[torch.nn.Module]) -> List[Tuple[ParamSlot, torch.nn.Parameter]]:
+    """Every parameter of this rank's chunks with its slot, in chunk and parameter order."""
     slots = []
     ep_rank = mpu.get_expert_model_parallel_rank()
-    for index, chunk in enumerate(chunks):
+    for chunk in chunks:
         config = chunk.config
         num_local = (config.num_moe_experts or 0) // mpu.get_expert_model_parallel_world_size()
         owners = {f"{prefix}.{pname}" if prefix else pname: (module, pname)
                   for prefix, module in chunk.named_modules()
                   for pname, _ in module.named_parameters(recurse=False)}
-        for name, _ in chunk.named_parameters():
-            is_expert = ".experts." in name
-            if is_expert:
+        for name, param in chunk.named_parameters():
+            if ".experts." in name:
                 tp_rank, tp_size = (mpu.get_expert_tensor_parallel_rank(),
                                     mpu.get_expert_tensor_parallel_world_size())
             else:
                 tp_rank, tp_size = (mpu.get_tensor_model_parallel_rank(),
                                     mpu.get_tensor_model_parallel_world_size())
             tp_dim = _tp_dim(*owners[name]) if tp_size > 1 else None
-            slots.append(ParamSlot(
-                chunk=index, local_name=name,
+            slots.append((ParamSlot(
                 canonical=_canonical(chunk, name, num_local, ep_rank),
                 tp_dim=tp_dim,
                 tp_rank=tp_rank, tp_size=tp_size,
                 glu=config.gated_linear_unit and name.endswith("linear_fc1.weight"),
-                expert=is_expert,
-            ))
+            ), param))
     return slots
 
 
@@ -114,11 +109,11 @@ def local_shard(full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     return full.chunk(slot.tp_size, dim=slot.tp_dim)[slot.tp_rank]
 
 
-def join_shards(shards: List[torch.Tensor], slot: ParamSlot) -> torch.Tensor:
+def join_shards(shards: List[torch.Tensor], tp_dim: Optional[int], glu: bool) -> torch.Tensor:
     """Inverse of local_shard: shards of every TP rank, in rank order -> the full tensor."""
-    if slot.tp_dim is None:
+    if tp_dim is None:
         return shards[0]
-    if slot.glu:
+    if glu:
         halves = [shard.chunk(2, dim=0) for shard in shards]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
-    return torch.cat(shards, dim=slot.tp_dim)
+    return torch.cat(shards, dim=tp_dim)

@@ -21,12 +21,11 @@ def local_pieces(chunks: List[torch.nn.Module], arch: ModelArch,
     """This rank's pieces and their tensors, keyed (canonical, tp_rank). A tied output layer
     (the last stage's copy of the embedding) is left out: the embedding itself is sent."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
     pieces, tensors = [], {}
-    for slot in param_slots(chunks):
+    for slot, param in param_slots(chunks):
         if entry_of(arch, slot, role).megatron != slot.canonical:
             continue
-        tensor = params[(slot.chunk, slot.local_name)].detach()
+        tensor = param.detach()
         pieces.append(Piece(rank=rank, canonical=slot.canonical, tp_rank=slot.tp_rank,
                             tp_size=slot.tp_size, tp_dim=slot.tp_dim, glu=slot.glu,
                             shape=tuple(tensor.shape), dtype=str(tensor.dtype)))

@@ -10,16 +10,11 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from megarl.models.param_layout import ParamSlot, join_shards
-from megarl.resharding.plan import Bucket, Piece
+from megarl.models.param_layout import join_shards
+from megarl.resharding.plan import Bucket
 
 _DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
            "torch.float16": torch.float16}
-
-
-def _slot(piece: Piece) -> ParamSlot:
-    return ParamSlot(chunk=0, local_name="", canonical=piece.canonical, tp_dim=piece.tp_dim,
-                     tp_rank=piece.tp_rank, tp_size=piece.tp_size, glu=piece.glu, expert=False)
 
 
 def fetch_bucket(bucket: Bucket, local: Dict[Tuple[str, int], torch.Tensor],
@@ -46,7 +41,8 @@ def fetch_bucket(bucket: Bucket, local: Dict[Tuple[str, int], torch.Tensor],
     full = {}
     for tensor in bucket.tensors:
         parts = [received[(p.canonical, p.tp_rank)] for p in tensor.pieces]
-        full[tensor.canonical] = join_shards(parts, _slot(tensor.pieces[0]))
+        first = tensor.pieces[0]
+        full[tensor.canonical] = join_shards(parts, first.tp_dim, first.glu)
         if len(parts) > 1:
             allocated += full[tensor.canonical].numel() * full[tensor.canonical].element_size()
     return full, allocated

@@ -23,9 +23,7 @@ def perturb(chunks: List[torch.nn.Module], arch: ModelArch, scale: float, seed: 
     """Add relative noise to every parameter. Noise is drawn from the full tensor's name and the
     shard's TP rank (0 for TP-replicated tensors), so every replica -- DP, CP, the TP copies of
     a norm, a tied embedding's two copies -- gets the same noise and replicas stay identical."""
-    params = {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
-    for slot in param_slots(chunks):
-        param = params[(slot.chunk, slot.local_name)]
+    for slot, param in param_slots(chunks):
         shard = slot.tp_rank if slot.tp_dim is not None else 0
         key = f"{entry_of(arch, slot, 'policy').megatron}/{shard}"
         generator = torch.Generator().manual_seed(seed ^ zlib.crc32(key.encode()))
