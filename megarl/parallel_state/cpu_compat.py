@@ -17,6 +17,8 @@ import types
 
 import torch
 
+from megarl.parallel_state.uneven_collectives import all_gather_uneven, reduce_scatter_uneven
+
 _CPU = torch.device("cpu")
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "empty_like",
               "zeros_like", "ones_like")
@@ -237,35 +239,23 @@ def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
 
 
 def _uneven_gather_first_dim(original):
-    """gloo's all_gather needs equal sizes: pad every rank's part to the largest, then trim."""
+    """Megatron's gather with per-rank split sizes, which gloo cannot do directly."""
 
     def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
         if output_split_sizes is None or group.size() == 1:
             return original(input_, group, output_split_sizes, use_global_buffer)
-        largest = max(output_split_sizes)
-        padded = input_.new_zeros(largest, *input_.shape[1:])
-        padded[: input_.shape[0]] = input_
-        out = input_.new_empty(largest * group.size(), *input_.shape[1:])
-        torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
-        parts = out.split(largest)
-        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)])
+        return all_gather_uneven(input_, output_split_sizes, group)
 
     return gather
 
 
 def _uneven_reduce_scatter_first_dim(original):
-    """gloo's reduce_scatter needs equal sizes: pad every destination's part, then trim."""
+    """Megatron's reduce-scatter with per-rank split sizes, which gloo cannot do directly."""
 
     def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
         if input_split_sizes is None or group.size() == 1:
             return original(input_, group, input_split_sizes, use_global_buffer)
-        largest = max(input_split_sizes)
-        stacked = input_.new_zeros(largest * group.size(), *input_.shape[1:])
-        for i, part in enumerate(input_.split(input_split_sizes)):
-            stacked[i * largest: i * largest + part.shape[0]] = part
-        out = input_.new_empty(largest, *input_.shape[1:])
-        torch.distributed.reduce_scatter_tensor(out, stacked, group=group)
-        return out[: input_split_sizes[group.rank()]]
+        return reduce_scatter_uneven(input_, input_split_sizes, group)
 
     return reduce_scatter
 

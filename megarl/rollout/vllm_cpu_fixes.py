@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from megarl.parallel_state.uneven_collectives import all_gather_uneven, reduce_scatter_uneven
+
 SHM_DIR = "/dev/shm"
 
 
@@ -72,26 +74,15 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
 
 
 def _all_gatherv(self, input_, dim: int = 0, sizes=None):
-    """Variable-size all-gather over the communicator's group: pad every rank's part to the
-    largest, all-gather, trim. Accepts a tensor or a list of tensors, like vLLM's interface."""
+    """vLLM's variable-size all-gather over the communicator's group, for a tensor or a list."""
     if isinstance(input_, (list, tuple)):
         return [_all_gatherv(self, t, dim, sizes) for t in input_]
-    moved = input_.movedim(dim, 0)
-    largest = max(sizes)
-    padded = moved.new_zeros(largest, *moved.shape[1:])
-    padded[: moved.shape[0]] = moved
-    out = moved.new_empty(largest * self.world_size, *moved.shape[1:])
-    torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=self.device_group)
-    parts = [part[:n] for part, n in zip(out.split(largest), sizes)]
-    return torch.cat(parts).movedim(0, dim)
+    return all_gather_uneven(input_.movedim(dim, 0), sizes, self.device_group).movedim(0, dim)
 
 
 def _reduce_scatterv(self, input_, dim: int = -1, sizes=None):
-    """Variable-size reduce-scatter: sum over the group, keep this rank's slice."""
-    total = input_.contiguous().clone()
-    torch.distributed.all_reduce(total, group=self.device_group)
-    start = sum(sizes[: self.rank_in_group])
-    return total.narrow(dim, start, sizes[self.rank_in_group])
+    """vLLM's variable-size reduce-scatter over the communicator's group."""
+    return reduce_scatter_uneven(input_.movedim(dim, 0), sizes, self.device_group).movedim(0, dim)
 
 
 def add_variable_size_collectives() -> None:
