@@ -108,10 +108,10 @@ def rloo(*, token_rewards: Optional[torch.Tensor] = None,
          group_ids: torch.Tensor,  # [B]
          gamma: Optional[float] = None, lam: Optional[float] = None,
          eps: Optional[float] = None) -> Pair:
-    """REINFORCE leave-one-out: r_i - mean of the other members of its group (0 alone)."""
-    size = _group_sum(torch.ones_like(seq_rewards), group_ids)
-    others = (_group_sum(seq_rewards, group_ids) - seq_rewards) / (size - 1).clamp(min=1)
-    advantages = _per_token(torch.where(size > 1, seq_rewards - others, 0), mask.bool())
+    """REINFORCE leave-one-out: r_i - mean of the other members of its group (0 alone), which
+    is (r_i - group mean) * n / (n - 1)."""
+    centered, size = _centered(seq_rewards, group_ids)
+    advantages = _per_token(centered * size / (size - 1).clamp(min=1), mask.bool())
     return advantages, advantages
 
 

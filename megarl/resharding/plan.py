@@ -5,6 +5,7 @@ is computed once per layout pair (lru_cache) and testable with fake metadata, no
 """
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -25,10 +26,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
