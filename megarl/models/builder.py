@@ -8,6 +8,7 @@ from typing import List
 
 import torch
 from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 
 from megarl.models.hf_config import ModelArch
@@ -46,5 +47,29 @@ def build_model(arch: ModelArch, dims: ParallelDims, role: str = "policy",
             model.output_layer = ValueHead(config)
         if torch.cuda.is_available():
             model.cuda()
+        if not config.perform_initialization:
+            mark_tensor_parallel_params(model)
         chunks.append(model)
     return chunks
+
+
+# Split dimension of each Megatron-Core parallel layer's weight and bias (None: replicated bias).
+_SPLIT_DIMS = {
+    tensor_parallel.VocabParallelEmbedding: (0, None),
+    tensor_parallel.ColumnParallelLinear: (0, 0),
+    tensor_parallel.RowParallelLinear: (1, None),
+}
+
+
+def mark_tensor_parallel_params(model: torch.nn.Module) -> None:
+    """Megatron sets a parameter's tensor-parallel attributes only while initializing it; without
+    initialization (weights about to be loaded) gradient-norm clipping would count every TP shard
+    as a duplicate of rank 0's. Set them from the layer types instead."""
+    for module in model.modules():
+        dims = next((d for kind, d in _SPLIT_DIMS.items() if isinstance(module, kind)), None)
+        if dims is None:
+            continue
+        for name, dim in zip(("weight", "bias"), dims):
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter) and dim is not None:
+                tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)

@@ -2,7 +2,8 @@
 Engine is absent (CPU here, or a GPU box without TE).
 
 Owns: an RMSNorm that supports sequence parallelism, and a core attention that supports context
-parallelism (Megatron's WrappedTorchNorm refuses the first, its DotProductAttention the second).
+parallelism and packed (thd) sequences (Megatron's WrappedTorchNorm refuses the first, its
+DotProductAttention the other two).
 Does not own the rest of the layer: linears, MoE and RoPE stay Megatron-Core's own modules.
 """
 
@@ -55,6 +56,12 @@ class _GatherFromContextParallel(torch.autograd.Function):
         return grad.chunk(world, dim=0)[rank], None
 
 
+def gather_from_context_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """[s/cp, ...] -> [s, ...] in CP-rank order; the backward sums all ranks' gradients and keeps
+    this rank's slice."""
+    return _GatherFromContextParallel.apply(x, group)
+
+
 def cp_positions(local_len: int, cp_rank: int, cp_size: int, device) -> torch.Tensor:
     """Global token positions held by one CP rank: chunks r and 2*cp-1-r of 2*cp chunks."""
     chunk = local_len // 2
@@ -64,8 +71,9 @@ def cp_positions(local_len: int, cp_rank: int, cp_size: int, device) -> torch.Te
 
 
 class PortableCoreAttention(MegatronModule):
-    """Causal softmax attention over [s, b, heads, d] inputs, with context parallelism by
-    all-gathering keys and values over the CP group (the "all-gather" CP scheme: memory grows
+    """Causal softmax attention over padded [s, b, heads, d] or packed thd [t, heads, d] inputs
+    (block-diagonal: a token sees earlier tokens of its own sequence), with context parallelism
+    by all-gathering keys and values over the CP group (the "all-gather" CP scheme: memory grows
     with the full sequence's K/V, compute stays local to this rank's queries)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
@@ -80,29 +88,55 @@ class PortableCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        # query [sq, b, nq/tp, d]; key, value [sk, b, nkv/tp, d]
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError(
-                "the portable attention takes padded batches without attention bias; install "
-                "Transformer Engine for packed sequences (thd format)"
-            )
+        # Padded: query [sq, b, nq/tp, d]; key, value [sk, b, nkv/tp, d].
+        # Packed (thd): query [t/cp, nq/tp, d]; key, value [t/cp, nkv/tp, d].
+        if attention_bias is not None:
+            raise NotImplementedError("the portable attention takes no attention bias")
+        packed = packed_seq_params is not None
+        if packed:
+            if packed_seq_params.qkv_format != "thd":
+                raise NotImplementedError(f"packed format {packed_seq_params.qkv_format!r}; "
+                                          "megarl packs sequences as 'thd'")
+            query, key, value = query[:, None], key[:, None], value[:, None]
         cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
-        q_pos = torch.arange(query.shape[0], device=query.device)
-        k_pos = q_pos
+        cp_rank = dist.get_rank(self.cp_group) if cp_size > 1 else 0
         if cp_size > 1:
-            cp_rank = dist.get_rank(self.cp_group)
-            key = _GatherFromContextParallel.apply(key, self.cp_group)
-            value = _GatherFromContextParallel.apply(value, self.cp_group)
-            q_pos = cp_positions(query.shape[0], cp_rank, cp_size, query.device)
+            key = gather_from_context_parallel(key, self.cp_group)
+            value = gather_from_context_parallel(value, self.cp_group)
+        if packed:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            q_seg, q_pos = packed_positions(cu, cp_rank, cp_size)
+            k_seg, k_pos = (torch.cat(parts) for parts in zip(
+                *[packed_positions(cu, r, cp_size) for r in range(cp_size)]))
+            allowed = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+        else:
+            q_pos = cp_positions(query.shape[0], cp_rank, cp_size, query.device) if cp_size > 1 \
+                else torch.arange(query.shape[0], device=query.device)
             k_pos = torch.cat([cp_positions(query.shape[0], r, cp_size, query.device)
-                               for r in range(cp_size)])
-        causal = k_pos[None, :] <= q_pos[:, None]  # [sq, sk]
+                               for r in range(cp_size)]) if cp_size > 1 else q_pos
+            allowed = k_pos[None, :] <= q_pos[:, None]  # [sq, sk]
         q = query.permute(1, 2, 0, 3)  # [b, nq, sq, d]
         k = key.permute(1, 2, 0, 3).repeat_interleave(self.heads_per_group, dim=1)
         v = value.permute(1, 2, 0, 3).repeat_interleave(self.heads_per_group, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=causal, dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, attn_mask=allowed.to(q.device), dropout_p=self.dropout if self.training else 0.0,
             scale=self.softmax_scale,
         )  # [b, nq, sq, d]
         sq, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, nq/tp * d]
+        out = out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, nq/tp * d]
+        return out[:, 0] if packed else out
+
+
+def packed_positions(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int):
+    """(sequence id, position in its sequence) of each token one CP rank holds of a thd pack
+    [t/cp], in the rank's order: per sequence, its chunks r and 2cp-1-r."""
+    bounds = cu_seqlens_padded.tolist()
+    segments, positions = [], []
+    for seq, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        local = (end - start) // cp_size
+        pos = cp_positions(local, cp_rank, cp_size, None) if cp_size > 1 else torch.arange(local)
+        positions.append(pos)
+        segments.append(torch.full((local,), seq))
+    return torch.cat(segments), torch.cat(positions)

@@ -13,6 +13,8 @@ class ValueHead(MegatronModule):
     """Called by GPTModel exactly like its output_layer: (hidden, weight=, runtime_gather_output=)
     -> (values [s, b, 1], None). The weight is replicated over TP; under sequence parallelism the
     hidden states are gathered first, so every TP rank computes (and differentiates) the same thing.
+    The gather's backward therefore keeps this rank's slice of the (identical) gradient instead of
+    summing TP copies of it, as the vocabulary projection's gather must.
     """
 
     def __init__(self, config):
@@ -25,5 +27,6 @@ class ValueHead(MegatronModule):
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         # hidden_states [s(/tp), b, H]
         if self.sequence_parallel:
-            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight), None  # [s, b, 1]

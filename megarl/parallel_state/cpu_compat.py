@@ -176,6 +176,7 @@ _PATCHED_MODULES = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.parallel_state",
     "megatron.core.utils",
     "megatron.core.dist_checkpointing.strategies.torch",
@@ -221,6 +222,11 @@ def install() -> None:
         "megatron.core.models.common.language_module.language_module").LanguageModule
     language_module.setup_embeddings_and_output_layer = _keep_on_cpu(
         language_module.setup_embeddings_and_output_layer)
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer
+    distrib._build_model_and_main_param_groups = staticmethod(_types_read_as_cuda(
+        distrib._build_model_and_main_param_groups))
+    optimizer = sys.modules["megatron.core.optimizer.optimizer"]
+    optimizer.clip_grad_by_total_norm_fp32 = _types_read_as_cuda(optimizer.clip_grad_by_total_norm_fp32)
     random = sys.modules["megatron.core.tensor_parallel.random"]
     random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -292,6 +298,35 @@ def _tensor_cuda_is_identity():
         yield
     finally:
         torch.Tensor.cuda = original
+
+
+@contextlib.contextmanager
+def _cpu_types_read_as_cuda():
+    original = torch.Tensor.type
+
+    def type_name(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or not name.startswith("torch.") or ".cuda." in name:
+            return name
+        return "torch.cuda." + name[len("torch."):]
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _types_read_as_cuda(method):
+    """The optimizers sort parameters by `param.type()` and accept only CUDA type names (building
+    the distributed optimizer's groups, clipping gradients); a CPU float32 parameter is the same
+    kind of tensor, so it reads as one during the call."""
+
+    def wrapper(*args, **kwargs):
+        with _cpu_types_read_as_cuda():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 def _keep_on_cpu(method):

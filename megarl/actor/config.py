@@ -1,0 +1,70 @@
+"""Configuration of an update (actor or critic): loss switches, batching, optimizer.
+
+Typed and validated when built, before any process group exists; nothing here is derived later.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megarl.actor.optimizer import OptimConfig
+from megarl.algos import pick
+from megarl.algos.aggregation import AGGREGATIONS
+from megarl.algos.kl import KL_ESTIMATORS
+from megarl.algos.policy_losses import POLICY_LOSSES
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    mini_batch_size: Optional[int] = None  # sequences per optimizer step; None: the whole batch
+    epochs: int = 1  # passes over the batch per update
+    micro_batch_tokens: Optional[int] = None  # token budget per micro-batch (packed, per rank)
+    micro_batches: int = 1  # micro-batches per DP rank when micro_batch_tokens is None
+    shuffle_seed: Optional[int] = None  # shuffle rows between epochs; None keeps batch order
+
+    def __post_init__(self):
+        if self.epochs < 1 or self.micro_batches < 1:
+            raise ValueError(f"epochs={self.epochs} and micro_batches={self.micro_batches} must be >= 1")
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size={self.mini_batch_size} must be >= 1 (or None)")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 2:
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 2 (or None)")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    policy_loss: str = "ppo"
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2  # > eps_clip_low is "clip-higher" (DAPO)
+    dual_clip: Optional[float] = None
+    aggregation: str = "token-mean"
+    entropy_coeff: float = 0.0
+    kl_loss_coeff: float = 0.0  # KL to the reference as a loss term (GRPO style); 0 disables
+    kl_estimator: str = "k3"
+    tis_cap: Optional[float] = None  # truncated IS against rollout log-probs; None disables
+    router_aux_loss_coeff: float = 0.0
+    router_replay: bool = False  # replay routing recorded by the old-logprob pass in the update
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self):
+        pick(POLICY_LOSSES, self.policy_loss, "policy_loss")
+        pick(AGGREGATIONS, self.aggregation, "aggregation")
+        pick(KL_ESTIMATORS, self.kl_estimator, "kl_estimator")
+        if not 0 <= self.eps_clip_low < 1 or self.eps_clip_high < 0:
+            raise ValueError(f"need 0 <= eps_clip_low < 1 and eps_clip_high >= 0, got "
+                             f"{self.eps_clip_low}, {self.eps_clip_high}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (or None to disable)")
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    value_clip: float = 0.2
+    aggregation: str = "token-mean"
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self):
+        pick(AGGREGATIONS, self.aggregation, "aggregation")
+        if self.value_clip <= 0:
+            raise ValueError(f"value_clip={self.value_clip} must be > 0")

@@ -1,0 +1,110 @@
+"""The trained state of a model (actor or critic): Megatron DDP, its optimizer and LR schedule.
+
+Owns OptimConfig (validated before anything is built) and one optimizer step over packed
+micro-batches. Gradients are *summed* over micro-batches and data-parallel ranks: every loss
+megarl returns is already that micro-batch's share of the global-batch loss (algos/aggregation),
+so nothing may divide again. Megatron's per-token-loss mode gives exactly that sum in DDP; the
+division by a token count that mode normally applies afterwards is skipped.
+Does not own losses or data.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megarl.actor.packing import PackedMicroBatch
+from megarl.actor.schedule import run_micro_batches
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_steps: Optional[int] = None  # optimizer steps to decay over; None: no decay
+    lr_decay_style: str = "constant"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # max global gradient norm; 0 disables clipping
+    use_distributed_optimizer: bool = True
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style={self.lr_decay_style!r}; choose one of {LR_DECAY_STYLES}")
+        if self.lr_decay_style != "constant" and not self.lr_decay_steps:
+            raise ValueError(f"lr_decay_style={self.lr_decay_style!r} needs lr_decay_steps (the number "
+                             "of optimizer steps to decay over)")
+        if self.lr_warmup_steps < 0 or self.clip_grad < 0:
+            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} and clip_grad={self.clip_grad} "
+                             "must be >= 0")
+
+
+def _sum_grads(model, num_tokens=None, **kwargs):
+    # The losses are global-batch shares already: reduce over DP without dividing by num_tokens.
+    return finalize_model_grads(model, None, **kwargs)
+
+
+class TrainState:
+    """DDP-wrapped chunks + Megatron optimizer (distributed when configured) + LR scheduler."""
+
+    def __init__(self, chunks: List[torch.nn.Module], config: OptimConfig):
+        model_config = chunks[0].config
+        model_config.calculate_per_token_loss = True  # DDP reads it when built: sum, not average
+        model_config.finalize_model_grads_func = _sum_grads
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=config.use_distributed_optimizer)
+        self.chunks = chunks
+        self.model = [DistributedDataParallel(model_config, ddp_config, c) for c in chunks]
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=config.lr, min_lr=config.min_lr,
+                            weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
+                            adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+                            clip_grad=config.clip_grad,
+                            use_distributed_optimizer=config.use_distributed_optimizer,
+                            params_dtype=model_config.params_dtype, bf16=model_config.bf16,
+                            fp16=model_config.fp16),
+            self.model, use_gloo_process_groups=False)
+        decay_steps = config.lr_decay_steps or 1
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if config.lr_warmup_steps else config.lr, max_lr=config.lr,
+            min_lr=config.min_lr, lr_warmup_steps=config.lr_warmup_steps,
+            lr_decay_steps=max(decay_steps, config.lr_warmup_steps + 1),
+            lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
+            end_wd=config.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+
+    def train_mode(self, training: bool) -> None:
+        for chunk in self.model:
+            chunk.train(training)
+
+    def step(self, micro_batches: List[PackedMicroBatch], make_loss: Callable,
+             around_forward: Optional[Callable] = None):
+        """Forward+backward over `micro_batches`, then one optimizer step. Returns (loss outputs
+        on the last stage, gradient norm before clipping, learning rate used)."""
+        self.train_mode(True)
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = run_micro_batches(self.model, micro_batches, make_loss, forward_only=False,
+                                    around_forward=around_forward)
+        lr = self.optimizer.param_groups[0]["lr"]
+        updated, grad_norm, _ = self.optimizer.step()
+        if not updated:
+            raise FloatingPointError(f"the optimizer skipped a step (gradient norm {grad_norm}): "
+                                     "non-finite gradients")
+        self.scheduler.step(increment=1)
+        return outputs, float(grad_norm), lr

@@ -1,0 +1,44 @@
+"""The reference policy as a weight set, not a second model.
+
+Owns a host copy of this rank's parameter shards (pinned on GPU machines) and swapping it into
+the actor's own modules for a forward, then restoring the actor's weights bit for bit. Memory on
+the accelerator: nothing beyond the actor; on the host: one copy of this rank's shards.
+Does not own computing log-probs (actor.py).
+"""
+
+import contextlib
+from typing import Dict, List
+
+import torch
+
+
+def _named_parameters(chunks: List[torch.nn.Module]) -> Dict[str, torch.nn.Parameter]:
+    return {f"{i}.{name}": p for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                       pin_memory=torch.cuda.is_available())
+    return copy.copy_(tensor.detach())
+
+
+class ReferenceWeights:
+    def __init__(self, chunks: List[torch.nn.Module]):
+        self.weights = {name: _host_copy(p) for name, p in _named_parameters(chunks).items()}
+
+    @contextlib.contextmanager
+    def swapped_in(self, chunks: List[torch.nn.Module]):
+        """Within the block `chunks` hold the reference weights; the actor's are restored after."""
+        params = _named_parameters(chunks)
+        if params.keys() != self.weights.keys():
+            raise ValueError("the reference weights were taken from a different model layout: "
+                             f"{sorted(params.keys() ^ self.weights.keys())[:5]} differ")
+        current = {name: _host_copy(p) for name, p in params.items()}
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(self.weights[name], non_blocking=True)
+            try:
+                yield
+            finally:
+                for name, p in params.items():
+                    p.copy_(current[name], non_blocking=True)

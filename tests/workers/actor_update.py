@@ -1,0 +1,96 @@
+"""torchrun worker: at one layout, for each case, load a model, compute old log-probs (packed),
+the same log-probs from a padded forward, run one actor update (and optionally a critic update),
+and have rank 0 save log-probs, metrics and the full updated weights to OUT_DIR/NAME.pt."""
+
+import argparse
+import json
+import os
+
+import torch
+
+from megarl.actor.actor import Actor
+from megarl.actor.config import ActorConfig, BatchingConfig, CriticConfig
+from megarl.actor.optimizer import OptimConfig
+from megarl.critic.critic import Critic
+from megarl.models import checkpoint, parity
+from megarl.models.builder import build_model
+from megarl.models.hf_config import arch_from_hf_config
+from megarl.models.hf_io import gather_hf_tensors
+from megarl.parallel_state import megatron_groups
+from megarl.parallel_state.dims import ParallelDims
+from synthetic_batch import synthetic_batch  # noqa: I001 (next to this script)
+
+
+def padded_logprobs(chunks, arch, batch):
+    """Reference: a padded [N, L] forward (no packing), log-prob of each token from position i-1."""
+    result = parity.megatron_run(chunks, arch, batch.tokens, backward=False)
+    if result.logprobs is None:
+        return None
+    picked = result.logprobs[:, :-1].gather(-1, batch.tokens[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros(batch.size, 1), picked], 1)
+
+
+def actor_case(args, dims, megatron_dir, batching, actor_overrides):
+    arch = arch_from_hf_config(checkpoint.read_model_file(megatron_dir)["hf_config"])
+    chunks = build_model(arch, dims, perform_initialization=False)
+    checkpoint.load(chunks, megatron_dir)
+    batch = synthetic_batch(arch.vocab_size, max_len=args.max_len)
+    padded = padded_logprobs(chunks, arch, batch)
+    config = ActorConfig(batching=batching, optim=OptimConfig(lr=args.lr, clip_grad=args.clip_grad,
+                                                                   adam_eps=args.adam_eps),
+                         **actor_overrides)
+    initial = gather_hf_tensors(chunks, arch)
+    actor = Actor(chunks, arch, config)
+    batch = actor.logprobs(batch)
+    metrics = actor.update(batch)
+    after = actor.logprobs(batch).old_logprobs
+    weights = gather_hf_tensors(chunks, arch)
+    return dict(old_logprobs=batch.old_logprobs, padded_logprobs=padded, metrics=metrics,
+                weights=weights, initial_weights=initial, logprobs_after=after, mask=batch.loss_mask,
+                routed_experts=batch.routed_experts)
+
+
+def critic_case(args, dims, megatron_dir, batching):
+    arch = arch_from_hf_config(checkpoint.read_model_file(megatron_dir)["hf_config"])
+    chunks = build_model(arch, dims, role="value")
+    batch = synthetic_batch(arch.vocab_size, max_len=args.max_len)
+    critic = Critic(chunks, CriticConfig(batching=batching, value_clip=100.0,
+                                         optim=OptimConfig(lr=args.lr, clip_grad=args.clip_grad,
+                                                                   adam_eps=args.adam_eps)))
+    losses = []
+    for _ in range(args.critic_steps):
+        batch = critic.values(batch)
+        losses.append(critic.update(batch)["value_loss"])
+    return dict(value_losses=losses, values=critic.values(batch).values)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", required=True, help="JSON of ParallelDims fields")
+    parser.add_argument("--cases", required=True,
+                        help="JSON list of [name, megatron_dir, batching dict, actor overrides]")
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--clip-grad", type=float, default=1.0)
+    # Adam divides by |g| + eps: where |g| is near 1e-8, gradient rounding (~1e-9 between layouts)
+    # would move the update by a tenth of lr; eps 1e-6 keeps layout comparisons meaningful.
+    parser.add_argument("--adam-eps", type=float, default=1e-6)
+    parser.add_argument("--max-len", type=int, default=40)
+    parser.add_argument("--critic-steps", type=int, default=0)
+    args = parser.parse_args()
+    world = megatron_groups.init_distributed()
+    dims = ParallelDims(world_size=world, **json.loads(args.layout))
+    megatron_groups.initialize(dims)
+    for name, megatron_dir, batching, overrides in json.loads(args.cases):
+        batching = BatchingConfig(**batching)
+        if args.critic_steps:
+            result = critic_case(args, dims, megatron_dir, batching)
+        else:
+            result = actor_case(args, dims, megatron_dir, batching, overrides)
+        if megatron_groups.is_rank0():
+            torch.save(result, os.path.join(args.out_dir, f"{name}.pt"))
+    megatron_groups.destroy()
+
+
+if __name__ == "__main__":
+    main()
