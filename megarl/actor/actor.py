@@ -59,20 +59,31 @@ class Actor:
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, reference: bool = False) -> RolloutBatch:
-        """The batch with old_logprobs (or ref_logprobs) [N, L] filled; with router replay on,
-        the old-policy pass also records routed_experts. Collective."""
+        """The batch with old_logprobs (or ref_logprobs) [N, L] filled. With router replay on, the
+        old-policy pass replays batch.routed_experts when given (e.g. recorded by the rollout
+        engine) and otherwise records them. The reference routes on its own. Collective."""
         if reference and self.reference is None:
             raise ValueError("no reference policy: call snapshot_reference() before training")
         micro_batches = local_micro_batches(batch, torch.arange(batch.size), self.config.batching)
-        record = self.replay is not None and not reference
+        routing = self.replay is not None and not reference
+        replay = routing and batch.routed_experts is not None
+        record = routing and not replay
+        around = None
+        if record:
+            self.replay.start_recording()
+            around = self.replay.record_around
+        elif replay:
+            self.replay.start_replay(batch.routed_experts)
+            around = self.replay.replay_around
         self.state.train_mode(False)
-        with self.reference.swapped_in(self.state.chunks) if reference else contextlib.nullcontext():
-            if record:
-                self.replay.start_recording()
-            outputs = run_micro_batches(self.state.model, micro_batches,
-                                        lambda mb: partial(self._report_logprobs, mb),
-                                        forward_only=True,
-                                        around_forward=self.replay.record_around if record else None)
+        try:
+            with self.reference.swapped_in(self.state.chunks) if reference else contextlib.nullcontext():
+                outputs = run_micro_batches(self.state.model, micro_batches,
+                                            lambda mb: partial(self._report_logprobs, mb),
+                                            forward_only=True, around_forward=around)
+        finally:
+            if replay:
+                self.replay.stop_replay()
         logprobs = share_rows([o["logprobs"] for o in outputs], micro_batches,
                               (batch.size, batch.width), torch.float32, _device())
         fields = {"ref_logprobs" if reference else "old_logprobs": logprobs.cpu()}

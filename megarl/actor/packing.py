@@ -34,11 +34,12 @@ def balanced_partition(weights: List[int], parts: int) -> List[List[int]]:
 
 
 def plan_micro_batches(lengths: List[int], dp_size: int, micro_batch_tokens: Optional[int] = None,
-                       micro_batches: int = 1) -> List[List[List[int]]]:
+                       micro_batches: int = 1, min_micro_batches: int = 1) -> List[List[List[int]]]:
     """[dp rank][micro-batch] -> indices into `lengths`. Sequences are balanced by tokens over DP
-    ranks, then split into micro-batches: the fewest that keep each under `micro_batch_tokens`
-    (if given), else `micro_batches`. Every DP rank gets the same count (expert-parallel
-    all-to-alls pair the ranks' micro-batches)."""
+    ranks, then split into micro-batches: the fewest (at least `min_micro_batches`, which the
+    interleaved pipeline schedule needs) that keep each under `micro_batch_tokens` (if given),
+    else `micro_batches`. Every DP rank gets the same count (expert-parallel all-to-alls pair the
+    ranks' micro-batches)."""
     longest = max(lengths)
     if micro_batch_tokens is not None and longest > micro_batch_tokens:
         raise ValueError(f"a sequence of {longest} tokens exceeds micro_batch_tokens="
@@ -46,11 +47,15 @@ def plan_micro_batches(lengths: List[int], dp_size: int, micro_batch_tokens: Opt
     per_rank = balanced_partition(lengths, dp_size)
     count = micro_batches
     if micro_batch_tokens is not None:
-        count = max(math.ceil(sum(lengths[i] for i in rank) / micro_batch_tokens) for rank in per_rank)
+        count = max([min_micro_batches] + [math.ceil(sum(lengths[i] for i in rank) / micro_batch_tokens)
+                                           for rank in per_rank])
         while any(max(sum(lengths[rank[i]] for i in part) for part in
                       balanced_partition([lengths[i] for i in rank], count)) > micro_batch_tokens
                   for rank in per_rank):
             count += 1
+    if count < min_micro_batches:
+        raise ValueError(f"micro_batches={count} but the interleaved pipeline schedule needs at least "
+                         f"{min_micro_batches} (the pipeline size) per data-parallel rank")
     plan = []
     for rank in per_rank:
         parts = balanced_partition([lengths[i] for i in rank], count)

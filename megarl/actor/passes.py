@@ -34,8 +34,11 @@ def local_micro_batches(batch: RolloutBatch, rows: torch.Tensor,
                         batching: BatchingConfig) -> List[PackedMicroBatch]:
     """This DP rank's packed micro-batches of the sequences `rows` [m]."""
     lengths = batch.lengths[rows].tolist()
+    interleaved = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
     plan = plan_micro_batches(lengths, mpu.get_data_parallel_world_size(),
-                              batching.micro_batch_tokens, batching.micro_batches)
+                              batching.micro_batch_tokens, batching.micro_batches,
+                              min_micro_batches=mpu.get_pipeline_model_parallel_world_size()
+                              if interleaved > 1 else 1)
     tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
     return [pack(batch.tokens, batch.lengths, [int(rows[i]) for i in part], tp, cp,
                  mpu.get_context_parallel_rank())

@@ -20,10 +20,14 @@ from megarl.actor.packing import PackedMicroBatch, pack_tokens, unpack_tokens
 from megarl.actor.schedule import full_pack
 
 
+def _unwrapped(chunk) -> torch.nn.Module:
+    """The GPTModel inside a DDP wrapper (schedules hand the wrapper to the forward step)."""
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
 def _routers(chunk) -> List[Tuple[int, torch.nn.Module]]:
     """(global layer index, router) of the MoE layers in one chunk."""
-    module = chunk.module if hasattr(chunk, "module") else chunk
-    return [(layer.layer_number - 1, layer.mlp.router) for layer in module.decoder.layers
+    return [(layer.layer_number - 1, layer.mlp.router) for layer in _unwrapped(chunk).decoder.layers
             if hasattr(layer.mlp, "router")]
 
 
@@ -32,8 +36,8 @@ class RoutingReplay:
         self.num_layers, self.topk = num_layers, topk
         self.routers: Dict[int, List[Tuple[int, torch.nn.Module]]] = {}
         for chunk in chunks:
-            self.routers[id(chunk)] = _routers(chunk)
-            for _, router in self.routers[id(chunk)]:
+            self.routers[id(_unwrapped(chunk))] = _routers(chunk)
+            for _, router in _routers(chunk):
                 if router.router_replay is None:
                     router.router_replay = RouterReplay()
         if not any(self.routers.values()) and mpu.get_pipeline_model_parallel_world_size() == 1:
@@ -51,7 +55,7 @@ class RoutingReplay:
             router.router_replay.router_replay_action = action
 
     def _chunk_routers(self, chunk):
-        return self.routers.get(id(chunk), [])
+        return self.routers.get(id(_unwrapped(chunk)), [])
 
     def start_recording(self) -> None:
         self.recorded = {layer: [] for layer, _ in self._all()}

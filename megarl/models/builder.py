@@ -71,5 +71,6 @@ def mark_tensor_parallel_params(model: torch.nn.Module) -> None:
             continue
         for name, dim in zip(("weight", "bias"), dims):
             param = getattr(module, name, None)
-            if isinstance(param, torch.nn.Parameter) and dim is not None:
+            if (isinstance(param, torch.nn.Parameter) and dim is not None
+                    and not hasattr(param, "tensor_model_parallel")):
                 tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)

@@ -7,6 +7,7 @@ import json
 import os
 
 import torch
+from synthetic_batch import synthetic_batch  # noqa: I001 (next to this script)
 
 from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig, CriticConfig
@@ -18,12 +19,11 @@ from megarl.models.hf_config import arch_from_hf_config
 from megarl.models.hf_io import gather_hf_tensors
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
-from synthetic_batch import synthetic_batch  # noqa: I001 (next to this script)
 
 
 def padded_logprobs(chunks, arch, batch):
     """Reference: a padded [N, L] forward (no packing), log-prob of each token from position i-1."""
-    result = parity.megatron_run(chunks, arch, batch.tokens, backward=False)
+    result = parity.megatron_run(chunks, arch, batch.tokens, backward=False, micro_batches=2)
     if result.logprobs is None:
         return None
     picked = result.logprobs[:, :-1].gather(-1, batch.tokens[:, 1:, None])[..., 0]
@@ -41,19 +41,35 @@ def actor_case(args, dims, megatron_dir, batching, actor_overrides):
                          **actor_overrides)
     initial = gather_hf_tensors(chunks, arch)
     actor = Actor(chunks, arch, config)
+    actor.snapshot_reference()
     batch = actor.logprobs(batch)
+    noise = torch.randn(batch.tokens.shape, generator=torch.Generator().manual_seed(1))
+    # Stand-ins a few hundredths of a nat away, so KL and IS terms have non-trivial gradients.
+    batch = batch.with_fields(ref_logprobs=batch.old_logprobs + 0.1 * noise * batch.loss_mask,
+                              rollout_logprobs=batch.old_logprobs - 0.05 * noise * batch.loss_mask)
+    replayed = {}
+    if actor_overrides.get("router_replay"):
+        recorded = batch.routed_experts
+        shifted = torch.where(recorded >= 0, (recorded + 1) % arch.num_experts, recorded)
+        replayed = dict(replay_same=actor.logprobs(batch).old_logprobs,
+                        replay_shifted=actor.logprobs(batch.with_fields(routed_experts=shifted)).old_logprobs)
     metrics = actor.update(batch)
     after = actor.logprobs(batch).old_logprobs
+    reference_after = actor.logprobs(batch, reference=True).ref_logprobs
+    after_again = actor.logprobs(batch).old_logprobs
     weights = gather_hf_tensors(chunks, arch)
     return dict(old_logprobs=batch.old_logprobs, padded_logprobs=padded, metrics=metrics,
-                weights=weights, initial_weights=initial, logprobs_after=after, mask=batch.loss_mask,
-                routed_experts=batch.routed_experts)
+                weights=weights, initial_weights=initial, logprobs_after=after, reference_after=reference_after,
+                after_again=after_again, mask=batch.loss_mask,
+                routed_experts=batch.routed_experts, **replayed)
 
 
 def critic_case(args, dims, megatron_dir, batching):
     arch = arch_from_hf_config(checkpoint.read_model_file(megatron_dir)["hf_config"])
     chunks = build_model(arch, dims, role="value")
     batch = synthetic_batch(arch.vocab_size, max_len=args.max_len)
+    # A learnable target: each sequence's reward on its response tokens (as with gamma = lam = 1).
+    batch = batch.with_fields(returns=batch.rewards[:, None] * batch.loss_mask)
     critic = Critic(chunks, CriticConfig(batching=batching, value_clip=100.0,
                                          optim=OptimConfig(lr=args.lr, clip_grad=args.clip_grad,
                                                                    adam_eps=args.adam_eps)))
