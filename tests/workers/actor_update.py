@@ -59,7 +59,8 @@ def actor_case(args, dims, megatron_dir, batching, actor_overrides):
     after_again = actor.logprobs(batch).old_logprobs
     weights = gather_hf_tensors(chunks, arch)
     return dict(old_logprobs=batch.old_logprobs, padded_logprobs=padded, metrics=metrics,
-                weights=weights, initial_weights=initial, logprobs_after=after, reference_after=reference_after,
+                weights=weights, initial_weights=initial, logprobs_after=after,
+                reference_after=reference_after,
                 after_again=after_again, mask=batch.loss_mask,
                 routed_experts=batch.routed_experts, **replayed)
 
