@@ -115,3 +115,21 @@ def test_batch_and_config_errors_name_the_fix():
     steps = mini_batch_rows(8, BatchingConfig(mini_batch_size=4, epochs=2, shuffle_seed=0))
     assert len(steps) == 4 and all(sorted(torch.cat(steps[2 * e:2 * e + 2]).tolist()) == list(range(8))
                                    for e in range(2))
+
+
+def test_lr_schedule_warms_up_then_decays():
+    from megarl.actor.optimizer import lr_scheduler
+
+    def lrs(config, steps):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)
+        scheduler, seen = lr_scheduler(optimizer, config), []
+        for _ in range(steps):
+            seen.append(optimizer.param_groups[0]["lr"])
+            scheduler.step(increment=1)
+        return seen
+
+    assert lrs(OptimConfig(lr=1.0), 3) == [1.0, 1.0, 1.0]
+    got = lrs(OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_steps=6,
+                          lr_decay_style="linear"), 8)
+    expected = [0.5, 1.0] + [0.1 + 0.9 * (1 - (s - 2) / 4) for s in range(3, 7)] + [0.1, 0.1]
+    assert got == pytest.approx(expected)

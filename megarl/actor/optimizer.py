@@ -58,6 +58,21 @@ def _sum_grads(model, num_tokens=None, **kwargs):
     return finalize_model_grads(model, None, **kwargs)
 
 
+def lr_scheduler(optimizer, config: OptimConfig) -> OptimizerParamScheduler:
+    """Megatron's scheduler over `optimizer.param_groups`; call .step(increment=1) per step."""
+    decay_steps = max(config.lr_decay_steps or 1, config.lr_warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,
+        lr_warmup_steps=config.lr_warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
+        end_wd=config.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+    if config.lr_warmup_steps:
+        # Megatron's warmup starts at init_lr (0) on step 0, a wasted step; start at lr/warmup
+        # and reach lr on the warmup's last step instead.
+        scheduler.step(increment=1)
+    return scheduler
+
+
 class TrainState:
     """DDP-wrapped chunks + Megatron optimizer (distributed when configured) + LR scheduler."""
 
@@ -79,13 +94,7 @@ class TrainState:
                             params_dtype=model_config.params_dtype, bf16=model_config.bf16,
                             fp16=model_config.fp16),
             self.model, use_gloo_process_groups=False)
-        decay_steps = config.lr_decay_steps or 1
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if config.lr_warmup_steps else config.lr, max_lr=config.lr,
-            min_lr=config.min_lr, lr_warmup_steps=config.lr_warmup_steps,
-            lr_decay_steps=max(decay_steps, config.lr_warmup_steps + 1),
-            lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
-            end_wd=config.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+        self.scheduler = lr_scheduler(self.optimizer, config)
 
     def train_mode(self, training: bool) -> None:
         for chunk in self.model:
