@@ -123,8 +123,8 @@ def unpack_predictions(values: torch.Tensor,  # [t, ...] full pack order
     Returns [n, W, ...], 0 in column 0 and beyond each length. Differentiable."""
     width = mb.width
     cols = torch.arange(width)
-    index = mb.cu_seqlens_padded[:-1, None].long() + cols[None, :] - 1  # [n, W]
-    valid = (cols[None, :] >= 1) & (cols[None, :] < mb.lengths[:, None])
+    index = (mb.cu_seqlens_padded[:-1, None].long() + cols[None, :] - 1).to(values.device)  # [n, W]
+    valid = ((cols[None, :] >= 1) & (cols[None, :] < mb.lengths[:, None])).to(values.device)
     picked = values[index.clamp(0, values.shape[0] - 1).flatten()].reshape(*index.shape, *values.shape[1:])
     return torch.where(valid.reshape(*valid.shape, *[1] * (values.dim() - 1)), picked, 0)
 
@@ -135,7 +135,7 @@ def unpack_tokens(values: torch.Tensor,  # [t, ...] full pack order
     cols = torch.arange(mb.width)
     index = mb.cu_seqlens_padded[:-1, None].long() + cols[None, :]  # [n, W]
     valid = cols[None, :] < mb.lengths[:, None]
-    index = torch.where(valid, index, 0)
+    index, valid = torch.where(valid, index, 0).to(values.device), valid.to(values.device)
     picked = values[index.flatten()].reshape(*index.shape, *values.shape[1:])
     return torch.where(valid.reshape(*valid.shape, *[1] * (values.dim() - 1)), picked, fill)
 
