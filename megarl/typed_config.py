@@ -1,0 +1,89 @@
+"""Typed configuration from YAML plus dotted overrides (`actor.optim.lr=1e-6`), for any tree of
+frozen dataclasses.
+
+Owns parsing and checking: unknown keys name the allowed ones, values are checked against the
+field's type (int, float, bool, str, Optional, Tuple, nested dataclass) with the key's full path
+in the message, and each dataclass's own __post_init__ validation runs as it is built: all before
+any process group or engine exists. `to_dict` gives the resolved config to save with a run.
+Does not own what the fields mean (each dataclass does).
+"""
+
+import dataclasses
+import typing
+from typing import Any, Dict, List, Type, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+def _set_dotted(tree: Dict[str, Any], dotted: str) -> None:
+    if "=" not in dotted:
+        raise ValueError(f"override {dotted!r} must look like key.sub=value")
+    key, raw = dotted.split("=", 1)
+    *parents, leaf = key.strip().split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r}: {part!r} is a value, not a section")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def _coerce(value: Any, kind: Any, path: str) -> Any:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, path)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ValueError(f"{path} must be a section (mapping), got {value!r}")
+        return build(kind, value, path)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{path} must be a list, got {value!r}")
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if kind is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-5 (no dot) as a string
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{path} must be a number, got {value!r}") from None
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind in (int, str, bool) and type(value) is not kind:
+        raise ValueError(f"{path} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def build(cls: Type[T], values: Dict[str, Any], path: str = "") -> T:
+    """cls(**values) with every key and value checked; nested sections built recursively."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        where = path or "the top level"
+        raise ValueError(f"unknown key(s) {unknown} in {where}; allowed: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(value, hints[name], f"{path}.{name}" if path else name)
+              for name, value in values.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{path or cls.__name__}: {error}") from error
+
+
+def load(cls: Type[T], yaml_path: str = None, overrides: List[str] = ()) -> T:
+    tree: Dict[str, Any] = {}
+    if yaml_path:
+        with open(yaml_path) as f:
+            tree = yaml.safe_load(f) or {}
+    for dotted in overrides:
+        _set_dotted(tree, dotted)
+    return build(cls, tree)
+
+
+def to_dict(config) -> Dict[str, Any]:
+    return dataclasses.asdict(config)

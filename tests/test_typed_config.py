@@ -1,0 +1,42 @@
+"""Typed config: YAML + dotted overrides onto the real actor config tree, with clear errors."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+
+from megarl.actor.config import ActorConfig
+from megarl.typed_config import build, load, to_dict
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str = "demo"
+    steps: int = 10
+    actor: ActorConfig = field(default_factory=ActorConfig)
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"steps": 3, "actor": {"policy_loss": "gspo",
+                                                          "optim": {"lr": 1e-5}}}))
+    config = load(Run, str(path), ["actor.optim.lr=2e-6", "actor.batching.micro_batch_tokens=4096",
+                                   "actor.dual_clip=3", "name=x"])
+    assert config.steps == 3 and config.name == "x"
+    assert config.actor.policy_loss == "gspo" and config.actor.optim.lr == 2e-6
+    assert config.actor.batching.micro_batch_tokens == 4096
+    assert config.actor.dual_clip == 3.0 and isinstance(config.actor.dual_clip, float)
+    assert build(Run, to_dict(config)) == config
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor.optim.lrr=1"], r"unknown key\(s\) \['lrr'\] in actor.optim; allowed: \[.*'lr'"),
+    (["steps=many"], r"steps must be int, got 'many'"),
+    (["actor.policy_loss=ppo3"], r"actor: unknown policy_loss 'ppo3'; choose one of"),
+    (["actor.optim.lr_decay_style=cosine"], r"actor.optim: lr_decay_style='cosine' needs lr_decay_steps"),
+    (["actor=3"], r"actor must be a section"),
+    (["steps"], r"must look like key.sub=value"),
+])
+def test_errors_name_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load(Run, None, overrides)
