@@ -66,6 +66,10 @@ def build(cls: Type[T], values: Dict[str, Any], path: str = "") -> T:
     if unknown:
         where = path or "the top level"
         raise ValueError(f"unknown key(s) {unknown} in {where}; allowed: {sorted(fields)}")
+    missing = sorted(name for name, f in fields.items() if name not in values
+                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"missing required key(s) {missing} in {path or 'the top level'}")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _coerce(value, hints[name], f"{path}.{name}" if path else name)
               for name, value in values.items()}

@@ -1,0 +1,70 @@
+"""From prompts to a RolloutBatch on every rank: each vLLM engine samples its share of the
+prompts, every rank receives all samples, responses are decoded and scored.
+
+Owns splitting prompts over engines, the all-gather of samples, and laying samples out as
+right-padded rows with the rollout log-probs aligned to their tokens. Does not own generation
+(the engine) or what a reward means (rewards.py).
+"""
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from megarl.actor.batch import RolloutBatch
+from megarl.rollout.engine import RolloutEngine, RolloutSample, SamplingConfig
+from megarl.rollout.prompts import Prompt
+from megarl.rollout.rewards import RewardFn, score
+
+
+@dataclass(frozen=True)
+class Collected:
+    batch: RolloutBatch
+    responses: List[str]  # decoded, in batch row order
+    reward_failures: int
+    first_reward_error: str
+    truncated: int  # responses cut at max_new_tokens
+
+
+def _all_samples(engine: RolloutEngine, prompts: List[Prompt], sampling: SamplingConfig,
+                 engines: int, engine_rank: int, tp_rank: int) -> List[RolloutSample]:
+    """Every engine's samples on every rank, ordered by global prompt index."""
+    mine = list(range(engine_rank, len(prompts), engines))
+    samples = engine.generate([prompts[i].token_ids for i in mine], sampling) if mine else []
+    for sample in samples:
+        sample.prompt_index = mine[sample.prompt_index]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, samples if tp_rank == 0 else [])
+    every = [s for part in gathered for s in part]
+    return sorted(every, key=lambda s: s.prompt_index)  # stable: keeps each prompt's sample order
+
+
+def to_batch(samples: List[RolloutSample], rewards: torch.Tensor) -> RolloutBatch:
+    lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])
+    width = int(lengths.max())
+    tokens = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width)
+    rollout_logprobs = torch.zeros(len(samples), width)
+    for row, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        tokens[row, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        mask[row, p:p + r] = 1.0
+        rollout_logprobs[row, p:p + r] = s.logprobs
+    return RolloutBatch(tokens=tokens, lengths=lengths, loss_mask=mask,
+                        group_ids=torch.tensor([s.prompt_index for s in samples]),
+                        rewards=rewards, rollout_logprobs=rollout_logprobs)
+
+
+def collect(engine: RolloutEngine, prompts: List[Prompt], sampling: SamplingConfig, tokenizer,
+            reward_fn: RewardFn, engines: int, engine_rank: int, tp_rank: int) -> Collected:
+    """Collective over the world: every rank returns the same batch."""
+    samples = _all_samples(engine, prompts, sampling, engines, engine_rank, tp_rank)
+    empty = [s for s in samples if not s.response_ids]
+    if empty:
+        raise RuntimeError(f"{len(empty)} samples have empty responses; raise max_new_tokens or check "
+                           "that the prompt does not end the sequence")
+    responses = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    scores = score(reward_fn, responses, [prompts[s.prompt_index].answer for s in samples])
+    return Collected(to_batch(samples, scores.rewards), responses, scores.failures,
+                     scores.first_error or "", sum(s.finish_reason == "length" for s in samples))

@@ -1,0 +1,97 @@
+"""The configuration of a training run: every section a frozen dataclass, loaded with
+megarl.typed_config from YAML plus dotted overrides and validated before any process starts.
+Does not own what runs (megarl/loop.py)."""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megarl.actor.config import ActorConfig, CriticConfig
+from megarl.algos import pick
+from megarl.algos.advantages import ADVANTAGE_ESTIMATORS
+from megarl.algos.kl import KL_ESTIMATORS
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hf_dir: str = ""  # HF checkpoint: architecture, tokenizer, initial weights of actor and critic
+    megatron_dir: Optional[str] = None  # optional dist checkpoint of the actor (faster to load)
+
+    def __post_init__(self):
+        if not self.hf_dir:
+            raise ValueError("model.hf_dir is required (an HF checkpoint folder)")
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    world_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    vpp: Optional[int] = None
+    rollout_tp: int = 1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # .jsonl or .parquet
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_prompt_len: int = 256
+    prompts_per_step: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.path:
+            raise ValueError("data.path is required (a .jsonl or .parquet file of prompts)")
+        if self.prompts_per_step < 1 or self.max_prompt_len < 1:
+            raise ValueError(f"data.prompts_per_step={self.prompts_per_step} and data.max_prompt_len="
+                             f"{self.max_prompt_len} must be >= 1")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    samples_per_prompt: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    kv_cache_gib: int = 1
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage: str = "grpo"  # gae uses a critic; the others do not build one
+    gamma: float = 1.0
+    lam: float = 1.0
+    eps: float = 1e-6
+    kl_reward_coeff: float = 0.0  # KL to the reference folded into token rewards
+    kl_estimator: str = "k1"
+    reward: str = "math"  # built-in name or module:function
+    overlong_buffer: int = 0  # DAPO overlong shaping (0: off)
+    overlong_penalty: float = 1.0
+    dynamic_sampling_rounds: int = 0  # DAPO: extra generation rounds to refill dropped groups
+
+    def __post_init__(self):
+        pick(ADVANTAGE_ESTIMATORS, self.advantage, "algo.advantage")
+        pick(KL_ESTIMATORS, self.kl_estimator, "algo.kl_estimator")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ValueError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1]")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    data: DataConfig
+    run_dir: str = "runs/default"
+    steps: int = 10
+    seed: int = 0
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)

@@ -1,0 +1,55 @@
+"""Per-step observability of a run: phase timers, metrics.jsonl, TensorBoard, a progress bar.
+
+Owns writing (rank 0 only) and timing; the loop decides what to measure.
+"""
+
+import contextlib
+import json
+import os
+import time
+from typing import Dict
+
+
+class PhaseTimer:
+    def __init__(self):
+        self.seconds: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+class MetricsLog:
+    """metrics.jsonl + TensorBoard event files in run_dir, and a tqdm bar with reward and ETA."""
+
+    def __init__(self, run_dir: str, total_steps: int, first_step: int, enabled: bool):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self.bar = tqdm(total=total_steps, initial=first_step - 1, desc="steps", unit="step")
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+        self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.writer.close()
