@@ -71,6 +71,9 @@ def train(config: RunConfig) -> dict:
 
     layout = config.layout
     world = megatron_groups.init_distributed()
+    if world != layout.world_size:
+        raise ValueError(f"layout.world_size={layout.world_size} but {world} processes were started; "
+                         "make them agree (torchrun --nproc-per-node, or let Ray place the workers)")
     dims = ParallelDims(world_size=world, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
                         etp=layout.etp, vpp=layout.vpp)
     with open(os.path.join(config.model.hf_dir, "config.json")) as f:

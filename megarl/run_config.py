@@ -70,7 +70,6 @@ class AlgoConfig:
     reward: str = "math"  # built-in name or module:function
     overlong_buffer: int = 0  # DAPO overlong shaping (0: off)
     overlong_penalty: float = 1.0
-    dynamic_sampling_rounds: int = 0  # DAPO: extra generation rounds to refill dropped groups
 
     def __post_init__(self):
         pick(ADVANTAGE_ESTIMATORS, self.advantage, "algo.advantage")

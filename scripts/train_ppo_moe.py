@@ -1,10 +1,11 @@
 """Train with PPO/GRPO and friends: `python scripts/train_ppo_moe.py --config configs/NAME.yaml
-key.sub=value ...`. The config is loaded and validated here, before any process starts; under
-torchrun every rank runs the loop directly."""
+key.sub=value ...`. The config is loaded and validated here, before any process starts. Ray
+places layout.world_size workers (a local cluster unless --ray-address names one); under torchrun
+every rank runs the loop directly instead."""
 
 import argparse
+import os
 
-from megarl.loop import train
 from megarl.run_config import RunConfig
 from megarl.typed_config import load
 
@@ -12,10 +13,18 @@ from megarl.typed_config import load
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", help="YAML file (configs/)")
+    parser.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
     args = parser.parse_args()
     config = load(RunConfig, args.config, args.overrides)
-    train(config)
+    if "RANK" in os.environ:
+        from megarl.loop import train
+
+        train(config)
+    else:
+        from megarl.launch import launch
+
+        launch(config, args.ray_address)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(script: str, *args: str, nproc: int = 1, timeout: int = 600,
-        check: bool = True) -> subprocess.CompletedProcess:
+        check: bool = True, env: dict = None) -> subprocess.CompletedProcess:
     path = os.path.join(ROOT, script)
     if nproc == 1:
         cmd = [sys.executable, path, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", path, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}"

@@ -1,0 +1,75 @@
+"""Ray as the distributed engine: one worker per device slot, together one torch.distributed
+world running megarl.loop.train.
+
+The driver reserves `world_size` slots in a placement group (a CPU each here, a GPU and a CPU
+each on a GPU cluster), packed so that a node's slots are consecutive ranks, starts one worker
+per slot with the torch.distributed environment (rank, world, local rank, master address and
+port), and waits for all of them. `ray.init()` starts a local cluster when there is none;
+`ray_address` joins an existing one (e.g. the one a Slurm job started).
+Does not own the loop (loop.py).
+"""
+
+import os
+import socket
+from typing import Optional
+
+from megarl.run_config import RunConfig
+
+
+class _Worker:
+    def setup(self, rank: int, world: int, local_rank: int, master: str, port: int) -> None:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                          MASTER_ADDR=master, MASTER_PORT=str(port))
+
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def train(self, config: RunConfig) -> dict:
+        from megarl.loop import train
+
+        return train(config)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def launch(config: RunConfig, ray_address: Optional[str] = None) -> dict:
+    """Run the loop on `config.layout.world_size` Ray workers; returns rank 0's last metrics."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    world = config.layout.world_size
+    ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+    gpus = ray.cluster_resources().get("GPU", 0) > 0
+    slot = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
+    available = ray.cluster_resources().get("GPU" if gpus else "CPU", 0)
+    if available < world:
+        raise ValueError(f"layout.world_size={world} needs {world} {'GPUs' if gpus else 'CPUs'}; the Ray "
+                         f"cluster has {available:g}. Lower layout.world_size or add nodes.")
+    group = placement_group([slot] * world, strategy="PACK")
+    ray.get(group.ready())
+    # All devices visible to each worker, which picks its own by LOCAL_RANK (as under torchrun).
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if gpus else {}
+    worker_cls = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0)(_Worker)
+    workers = [worker_cls.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+        runtime_env={"env_vars": env}).remote() for i in range(world)]
+    try:
+        nodes = ray.get([w.node.remote() for w in workers])
+        master = ray.util.get_node_ip_address()
+        port = _free_port()
+        local_ranks = [nodes[:rank].count(node) for rank, node in enumerate(nodes)]
+        ray.get([w.setup.remote(rank, world, local_ranks[rank], master, port)
+                 for rank, w in enumerate(workers)])
+        return ray.get([w.train.remote(config) for w in workers])[0]
+    finally:
+        for w in workers:
+            ray.kill(w)
+        remove_placement_group(group)
+        ray.shutdown()
