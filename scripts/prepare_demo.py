@@ -2,6 +2,7 @@
 tokenizer, and a tiny Qwen3-MoE-style checkpoint with that tokenizer's vocabulary."""
 
 import argparse
+import json
 import os
 
 from megarl.models.tiny_checkpoint import make_tiny_checkpoint
@@ -14,6 +15,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft-steps", type=int, default=20, help="warm-start steps (0: random model)")
     args = parser.parse_args()
     records = arithmetic_records(args.prompts, args.max_operand, args.seed)
     model_dir = os.path.join(args.out, "model")
@@ -26,7 +28,46 @@ def main():
     make_tiny_checkpoint("qwen3_moe", model_dir, seed=args.seed, vocab_size=len(tokenizer),
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    print(f"demo inputs in {args.out}: {len(records)} prompts, vocab {len(tokenizer)}")
+    nll = warm_start(model_dir, tokenizer, records, args.sft_steps, args.seed)
+    print(f"demo inputs in {args.out}: {len(records)} prompts, vocab {len(tokenizer)}, "
+          f"{args.sft_steps} warm-start steps (answer NLL {nll[0]:.2f} -> {nll[-1]:.2f})")
+
+
+def warm_start(model_dir: str, tokenizer, records, steps: int, seed: int):
+    """A few SFT steps on prompt -> " answer</s>" so rollouts start with some right answers
+    (PPO from a random init never sees a reward); writes the weights back into model_dir."""
+    import random
+
+    from safetensors.torch import save_file
+
+    from megarl.actor.actor import Actor
+    from megarl.actor.config import ActorConfig
+    from megarl.actor.optimizer import OptimConfig
+    from megarl.actor.sft import sft_batch, sft_step
+    from megarl.models.builder import build_model
+    from megarl.models.hf_config import arch_from_hf_config
+    from megarl.models.hf_io import gather_hf_tensors, load_hf_weights
+    from megarl.parallel_state import megatron_groups
+    from megarl.parallel_state.dims import ParallelDims
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        arch = arch_from_hf_config(json.load(f))
+    dims = ParallelDims(world_size=megatron_groups.init_distributed())
+    megatron_groups.initialize(dims, seed=seed)
+    chunks = build_model(arch, dims, perform_initialization=False)
+    load_hf_weights(chunks, arch, model_dir)
+    actor = Actor(chunks, arch, ActorConfig(optim=OptimConfig(lr=1e-3)))
+    rng = random.Random(seed)
+    pairs = [(tokenizer.encode(tokenizer.apply_chat_template(
+                  [{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False),
+              tokenizer.encode(" " + r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id])
+             for r in records]
+    losses = [sft_step(actor, sft_batch(rng.sample(pairs, 32)))["nll"] for _ in range(steps)]
+    tensors = {k: v.contiguous() for k, v in gather_hf_tensors(chunks, arch).items()}
+    save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    megatron_groups.destroy()
+    return losses
 
 
 if __name__ == "__main__":
