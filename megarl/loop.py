@@ -30,6 +30,7 @@ from megarl.rollout.rewards import load_reward_fn
 from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.run_config import AlgoConfig, RunConfig
 from megarl.run_metrics import MetricsLog, PhaseTimer
+from megarl.run_plots import plot_run
 
 
 def with_advantages(batch, algo: AlgoConfig, max_new_tokens: int):
@@ -159,6 +160,8 @@ def train(config: RunConfig) -> dict:
         log.log(step, metrics)
     log.close()
     if rank0:
+        print(f"megarl: curves in {plot_run(config.run_dir)}; metrics in {config.run_dir}/metrics.jsonl, "
+              f"TensorBoard: tensorboard --logdir {config.run_dir}/tensorboard", flush=True)
         for group, response, reward in list(zip(batch.group_ids.tolist(), collected.responses,
                                                 batch.rewards.tolist()))[:4]:
             prompt = step_prompts[group].text

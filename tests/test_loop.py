@@ -47,6 +47,7 @@ def test_ppo_with_critic_on_ray(demo_inputs, tmp_path):
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["algo"]["advantage"] == "gae" and saved["layout"]["ep"] == 2
     assert f"logs in {run_dir}" in proc.stdout + proc.stderr
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
