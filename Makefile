@@ -12,7 +12,7 @@ LOCK := $(if $(findstring gpu,$(EXTRAS)),,-c requirements/cpu-lock.txt)
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: install test lint demo lock clean
+.PHONY: demo-conversion install test lint demo lock clean
 
 install: $(STAMP)
 
@@ -35,8 +35,14 @@ lint: install
 # Until the trainer lands: make a tiny Qwen3-MoE, convert it with 2 ranks, check it against HF
 # transformers at TP2 x EP2 (log-probs, loss, gradients), export it back and check bit-exactness,
 # then perturb the actor, sync it into a colocated vLLM (rollout TP2) and check vLLM's log-probs.
-DEMO := runs/demo
+DEMO := runs/demo_conversion
 demo: install
+	rm -rf runs/demo runs/demo_inputs
+	$(BIN)/python scripts/prepare_demo.py --out runs/demo_inputs
+	$(BIN)/python scripts/train_ppo_moe.py --config configs/demo_cpu.yaml
+
+# Conversion and weight-sync checks on a tiny random Qwen3-MoE (also covered by make test).
+demo-conversion: install
 	rm -rf $(DEMO) && mkdir -p $(DEMO)
 	$(BIN)/python scripts/make_tiny_model.py --model qwen3_moe --out $(DEMO)/hf
 	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/convert_hf_to_megatron.py \

@@ -160,11 +160,16 @@ def train(config: RunConfig) -> dict:
         log.log(step, metrics)
     log.close()
     if rank0:
+        print(f"megarl: mean reward over the first 10% of steps {log.reward_window(first=True):.3f}, "
+              f"over the last 10% {log.reward_window(first=False):.3f}", flush=True)
         print(f"megarl: curves in {plot_run(config.run_dir)}; metrics in {config.run_dir}/metrics.jsonl, "
               f"TensorBoard: tensorboard --logdir {config.run_dir}/tensorboard", flush=True)
-        for group, response, reward in list(zip(batch.group_ids.tolist(), collected.responses,
-                                                batch.rewards.tolist()))[:4]:
-            prompt = step_prompts[group].text
-            print(f"[reward {reward:.1f}] {prompt!r} -> {response!r}", flush=True)
+        # One sample of each of the last step's first six prompts.
+        shown = {}
+        for group, response, reward in zip(batch.group_ids.tolist(), collected.responses,
+                                           batch.rewards.tolist()):
+            shown.setdefault(group, (response, reward))
+        for group, (response, reward) in list(shown.items())[:6]:
+            print(f"[reward {reward:.1f}] {step_prompts[group].text!r} -> {response!r}", flush=True)
     engine.shutdown()
     return metrics

@@ -49,6 +49,14 @@ class MetricsLog:
         self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         self.bar.update(1)
 
+    def reward_window(self, first: bool) -> float:
+        """Mean reward over the first (or last) 10% of the steps logged (at least one)."""
+        with open(self.path) as f:
+            rewards = [json.loads(line)["reward/mean"] for line in f]
+        k = max(1, len(rewards) // 10)
+        window = rewards[:k] if first else rewards[-k:]
+        return sum(window) / len(window)
+
     def close(self) -> None:
         if self.enabled:
             self.bar.close()
