@@ -26,10 +26,10 @@ class _Worker:
 
         return ray.get_runtime_context().get_node_id()
 
-    def train(self, config: RunConfig) -> dict:
+    def train(self, config: RunConfig, resume: Optional[str]) -> dict:
         from megarl.loop import train
 
-        return train(config)
+        return train(config, resume)
 
 
 def _free_port() -> int:
@@ -38,7 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: RunConfig, ray_address: Optional[str] = None) -> dict:
+def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optional[str] = None) -> dict:
     """Run the loop on `config.layout.world_size` Ray workers; returns rank 0's last metrics."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -67,7 +67,7 @@ def launch(config: RunConfig, ray_address: Optional[str] = None) -> dict:
         local_ranks = [nodes[:rank].count(node) for rank, node in enumerate(nodes)]
         ray.get([w.setup.remote(rank, world, local_ranks[rank], master, port)
                  for rank, w in enumerate(workers)])
-        return ray.get([w.train.remote(config) for w in workers])[0]
+        return ray.get([w.train.remote(config, resume) for w in workers])[0]
     finally:
         for w in workers:
             ray.kill(w)

@@ -7,25 +7,28 @@ Each phase is one named call, timed under its name. Does not compute anything it
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
+from typing import List, Optional, Tuple
 
 import torch
 
+from megarl import run_checkpoint
 from megarl.actor.actor import Actor
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS
 from megarl.algos.kl import KL_ESTIMATORS
-from megarl.algos.shaping import overlong_penalty
+from megarl.algos.shaping import informative_groups, overlong_penalty
 from megarl.critic.critic import Critic
 from megarl.models import checkpoint
 from megarl.models.builder import build_model
 from megarl.models.hf_config import arch_from_hf_config
+from megarl.models.hf_export import export_hf
 from megarl.models.hf_io import load_hf_weights
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.sync import sync_weights
-from megarl.rollout.collect import collect
+from megarl.rollout.collect import Collected, collect, keep_informative
 from megarl.rollout.engine import SamplingConfig
-from megarl.rollout.prompts import PromptSampler, load_prompts
+from megarl.rollout.prompts import Prompt, PromptSampler, load_prompts
 from megarl.rollout.rewards import load_reward_fn
 from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.run_config import AlgoConfig, RunConfig
@@ -66,8 +69,31 @@ def _rollout_mismatch(batch) -> dict:
     return {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
 
 
-def train(config: RunConfig) -> dict:
-    """Run config.steps steps; returns the last step's metrics. Collective."""
+def _kl_to_reference(batch, estimator: str) -> dict:
+    if batch.ref_logprobs is None:
+        return {}
+    kl = KL_ESTIMATORS[estimator](batch.old_logprobs, batch.ref_logprobs)
+    return {"kl/actor_to_reference": float((kl * batch.loss_mask).sum() / batch.loss_mask.sum())}
+
+
+@dataclass
+class Run:
+    """Everything one rank holds for a run, built once by `setup`."""
+    config: RunConfig
+    arch: object
+    hf_config: dict
+    actor: Actor
+    critic: Optional[Critic]
+    engine: VLLMEngine
+    tokenizer: object
+    prompts: List[Prompt]
+    sampler: PromptSampler
+    reward_fn: object
+
+
+def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
+    """Processes, models, engine and data for `config`, restored from the checkpoint `resume`
+    names (None, 'auto' or a path). Returns the run and the last step already done. Collective."""
     import transformers
 
     layout = config.layout
@@ -78,7 +104,11 @@ def train(config: RunConfig) -> dict:
     dims = ParallelDims(world_size=world, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
                         etp=layout.etp, vpp=layout.vpp)
     with open(os.path.join(config.model.hf_dir, "config.json")) as f:
-        arch = arch_from_hf_config(json.load(f))
+        hf_config = json.load(f)
+    arch = arch_from_hf_config(hf_config)
+    resume_from = run_checkpoint.resolve(config.run_dir, resume)
+    if resume_from:  # refuse a checkpoint this run cannot continue before anything is built
+        run_checkpoint.read_trainer_file(resume_from, config, hf_config)
     megatron_groups.initialize(dims, seed=config.seed)
     rank0 = megatron_groups.is_rank0()
     if rank0:
@@ -90,7 +120,7 @@ def train(config: RunConfig) -> dict:
     _load(actor_chunks, arch, config, "policy")
     actor = Actor(actor_chunks, arch, config.actor)
     if config.actor.kl_loss_coeff or config.algo.kl_reward_coeff:
-        actor.snapshot_reference()
+        actor.snapshot_reference()  # the initial weights, also when resuming
     critic = None
     if config.algo.uses_critic:
         critic_chunks = build_model(arch, dims, role="value")
@@ -100,76 +130,133 @@ def train(config: RunConfig) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
     prompts = load_prompts(config.data.path, tokenizer, config.data.max_prompt_len,
                            config.data.prompt_key, config.data.answer_key)
-    sampler = PromptSampler(len(prompts.prompts), config.data.prompts_per_step, config.data.seed)
-    reward_fn = load_reward_fn(config.algo.reward)
     gen = config.generation
     engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, seed=config.seed,
                         kv_cache_gib=gen.kv_cache_gib,
                         max_model_len=config.data.max_prompt_len + gen.max_new_tokens)
+    run = Run(config, arch, hf_config, actor, critic, engine, tokenizer, prompts.prompts,
+              PromptSampler(len(prompts.prompts), config.data.prompts_per_step, config.data.seed),
+              load_reward_fn(config.algo.reward))
+    done = run_checkpoint.load(run, resume_from) if resume_from else 0
     sync_weights(actor_chunks, arch, engine)
-    rank = torch.distributed.get_rank()
-    log = MetricsLog(config.run_dir, config.steps, 1, enabled=rank0)
     if rank0:
+        resumed = f"; resumed from {resume_from} (step {done})" if resume_from else ""
         print(f"megarl: {len(prompts.prompts)} prompts ({prompts.dropped_too_long} longer than "
-              f"{config.data.max_prompt_len} tokens dropped); logs in {config.run_dir}", flush=True)
+              f"{config.data.max_prompt_len} tokens dropped); logs in {config.run_dir}{resumed}", flush=True)
+    return run, done
 
+
+def rollouts(run: Run, number: int) -> Tuple[Collected, List[Prompt], dict]:
+    """Step `number`'s rollouts, scored, and the prompts their group ids index. With DAPO dynamic
+    sampling, groups whose rewards are all equal are dropped and more prompts are drawn, up to
+    algo.dynamic_sampling_rounds extra rounds. Collective."""
+    config, gen = run.config, run.config.generation
+    extra_rounds = config.algo.dynamic_sampling_rounds
+    parts, prompts, found = [], [], 0
+    for round_ in range(extra_rounds + 1):
+        batch_prompts = [run.prompts[i] for i in run.sampler.next_batch()]
+        sampling = SamplingConfig(n=gen.samples_per_prompt, temperature=gen.temperature, top_p=gen.top_p,
+                                  max_new_tokens=gen.max_new_tokens,
+                                  stop_token_ids=(run.tokenizer.eos_token_id,),
+                                  seed=config.seed + number * (extra_rounds + 1) + round_)
+        parts.append(collect(run.engine, batch_prompts, sampling, run.tokenizer, run.reward_fn,
+                             run.engine.data_parallel, run.engine.data_parallel_rank,
+                             torch.distributed.get_rank() % config.layout.rollout_tp))
+        prompts += batch_prompts
+        if not extra_rounds:
+            return parts[0], prompts, {}
+        batch = parts[-1].batch
+        found += len(torch.unique(batch.group_ids[informative_groups(batch.rewards, batch.group_ids)]))
+        if found >= config.data.prompts_per_step:
+            break
+    kept = keep_informative(parts, config.data.prompts_per_step)
+    batch = kept.batch
+    informative = torch.unique(batch.group_ids[informative_groups(batch.rewards, batch.group_ids)])
+    return kept, prompts, {
+        "dynamic_sampling/rounds": len(parts), "dynamic_sampling/informative_groups": found,
+        "dynamic_sampling/uninformative_kept": len(torch.unique(batch.group_ids)) - len(informative)}
+
+
+def step(run: Run, number: int):
+    """One RL step. Returns (metrics, the collected rollouts, their prompts). Collective."""
+    config, actor, critic, engine = run.config, run.actor, run.critic, run.engine
+    timer = PhaseTimer()
+    with timer("generate"):
+        engine.resume_memory()
+        collected, prompts, sampling_metrics = rollouts(run, number)
+        engine.release_memory()
+    batch = collected.batch
+    with timer("old_logprobs"):
+        batch = actor.logprobs(batch)
+    if actor.reference is not None:
+        with timer("ref_logprobs"):
+            batch = actor.logprobs(batch, reference=True)
+    if critic is not None:
+        with timer("values"):
+            batch = critic.values(batch)
+    with timer("advantages"):
+        batch = with_advantages(batch, config.algo, config.generation.max_new_tokens)
+    with timer("actor_update"):
+        actor_metrics = actor.update(batch)
+    critic_metrics = {}
+    if critic is not None:
+        with timer("critic_update"):
+            critic_metrics = critic.update(batch)
+    with timer("sync"):
+        sync_weights(actor.state.chunks, run.arch, engine)
+    collected = replace(collected, batch=batch)
+    metrics = {**_step_metrics(collected, actor_metrics, critic_metrics, timer),
+               **_kl_to_reference(batch, config.algo.kl_estimator), **sampling_metrics}
+    return metrics, collected, prompts
+
+
+def _step_metrics(collected, actor_metrics: dict, critic_metrics: dict, timer: PhaseTimer) -> dict:
+    batch = collected.batch
+    return {
+        "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
+        "reward/failures": collected.reward_failures,
+        "response/length_mean": float(batch.loss_mask.sum(1).mean()),
+        "response/truncated": collected.truncated,
+        **_rollout_mismatch(batch),
+        **{f"actor/{k}": v for k, v in actor_metrics.items()},
+        **{f"critic/{k}": v for k, v in critic_metrics.items()},
+        **{f"time/{k}": v for k, v in timer.seconds.items()},
+        "throughput/tokens_per_s": float(batch.lengths.sum()) / sum(timer.seconds.values()),
+    }
+
+
+def _report(run: Run, log: MetricsLog, collected, prompts) -> None:
+    """Where the logs are, the reward trend, and one sample of each of six prompts."""
+    run_dir = run.config.run_dir
+    print(f"megarl: mean reward over the first 10% of steps {log.reward_window(first=True):.3f}, "
+          f"over the last 10% {log.reward_window(first=False):.3f}", flush=True)
+    print(f"megarl: curves in {plot_run(run_dir)}; metrics in {run_dir}/metrics.jsonl, "
+          f"TensorBoard: tensorboard --logdir {run_dir}/tensorboard", flush=True)
+    shown = {}
+    for group, response, reward in zip(collected.batch.group_ids.tolist(), collected.responses,
+                                       collected.batch.rewards.tolist()):
+        shown.setdefault(group, (response, reward))
+    for group, (response, reward) in list(shown.items())[:6]:
+        print(f"[reward {reward:.1f}] {prompts[group].text!r} -> {response!r}", flush=True)
+
+
+def train(config: RunConfig, resume: Optional[str] = None) -> dict:
+    """Run steps up to config.steps, from the checkpoint `resume` names (None, 'auto' or a path);
+    returns the last step's metrics. Collective."""
+    run, done = setup(config, resume)
+    log = MetricsLog(config.run_dir, config.steps, done + 1, enabled=megatron_groups.is_rank0())
+    every = config.checkpoint.every
     metrics = {}
-    for step in range(1, config.steps + 1):
-        timer = PhaseTimer()
-        sampling = SamplingConfig(n=gen.samples_per_prompt, temperature=gen.temperature,
-                                  top_p=gen.top_p, max_new_tokens=gen.max_new_tokens,
-                                  stop_token_ids=(tokenizer.eos_token_id,), seed=config.seed + step)
-        step_prompts = [prompts.prompts[i] for i in sampler.next_batch()]
-        with timer("generate"):
-            engine.resume_memory()
-            collected = collect(engine, step_prompts, sampling, tokenizer, reward_fn,
-                                engine.data_parallel, engine.data_parallel_rank,
-                                rank % layout.rollout_tp)
-            engine.release_memory()
-        batch = collected.batch
-        with timer("old_logprobs"):
-            batch = actor.logprobs(batch)
-        if actor.reference is not None:
-            with timer("ref_logprobs"):
-                batch = actor.logprobs(batch, reference=True)
-        if critic is not None:
-            with timer("values"):
-                batch = critic.values(batch)
-        with timer("advantages"):
-            batch = with_advantages(batch, config.algo, gen.max_new_tokens)
-        with timer("actor_update"):
-            actor_metrics = actor.update(batch)
-        critic_metrics = {}
-        if critic is not None:
-            with timer("critic_update"):
-                critic_metrics = critic.update(batch)
-        with timer("sync"):
-            sync_weights(actor_chunks, arch, engine)
-        response_lengths = batch.loss_mask.sum(1)
-        metrics = {
-            "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
-            "reward/failures": collected.reward_failures,
-            "response/length_mean": float(response_lengths.mean()),
-            "response/truncated": collected.truncated,
-            **_rollout_mismatch(batch),
-            **{f"actor/{k}": v for k, v in actor_metrics.items()},
-            **{f"critic/{k}": v for k, v in critic_metrics.items()},
-            **{f"time/{k}": v for k, v in timer.seconds.items()},
-            "throughput/tokens_per_s": float(batch.lengths.sum()) / sum(timer.seconds.values()),
-        }
-        log.log(step, metrics)
+    for number in range(done + 1, config.steps + 1):
+        metrics, collected, prompts = step(run, number)
+        log.log(number, metrics)
+        if every and (number % every == 0 or number == config.steps):
+            run_checkpoint.save(run, number, config.checkpoint.keep)
     log.close()
-    if rank0:
-        print(f"megarl: mean reward over the first 10% of steps {log.reward_window(first=True):.3f}, "
-              f"over the last 10% {log.reward_window(first=False):.3f}", flush=True)
-        print(f"megarl: curves in {plot_run(config.run_dir)}; metrics in {config.run_dir}/metrics.jsonl, "
-              f"TensorBoard: tensorboard --logdir {config.run_dir}/tensorboard", flush=True)
-        # One sample of each of the last step's first six prompts.
-        shown = {}
-        for group, response, reward in zip(batch.group_ids.tolist(), collected.responses,
-                                           batch.rewards.tolist()):
-            shown.setdefault(group, (response, reward))
-        for group, (response, reward) in list(shown.items())[:6]:
-            print(f"[reward {reward:.1f}] {step_prompts[group].text!r} -> {response!r}", flush=True)
-    engine.shutdown()
+    if config.checkpoint.export_hf:
+        export_hf(run.actor.state.chunks, run.arch, run.hf_config, config.model.hf_dir,
+                  os.path.join(config.run_dir, "hf"))
+    if log.enabled and done < config.steps:
+        _report(run, log, collected, prompts)
+    run.engine.shutdown()
     return metrics

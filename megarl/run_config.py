@@ -70,16 +70,34 @@ class AlgoConfig:
     reward: str = "math"  # built-in name or module:function
     overlong_buffer: int = 0  # DAPO overlong shaping (0: off)
     overlong_penalty: float = 1.0
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch with
+    # up to this many extra generation rounds (0: off).
+    dynamic_sampling_rounds: int = 0
 
     def __post_init__(self):
         pick(ADVANTAGE_ESTIMATORS, self.advantage, "algo.advantage")
         pick(KL_ESTIMATORS, self.kl_estimator, "algo.kl_estimator")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ValueError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1]")
+        if self.dynamic_sampling_rounds < 0:
+            raise ValueError(f"algo.dynamic_sampling_rounds={self.dynamic_sampling_rounds} must be >= 0 "
+                             "(0 turns dynamic sampling off)")
 
     @property
     def uses_critic(self) -> bool:
         return self.advantage == "gae"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # save every N steps and after the last one (0: never)
+    keep: int = 2  # complete checkpoints kept; older ones are deleted after a save
+    export_hf: bool = True  # write the final actor in HF format to run_dir/hf
+
+    def __post_init__(self):
+        if self.every < 0 or self.keep < 1:
+            raise ValueError(f"checkpoint.every={self.every} must be >= 0 (0: never) and "
+                             f"checkpoint.keep={self.keep} >= 1")
 
 
 @dataclass(frozen=True)
@@ -94,3 +112,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # Hybrid-engine handoff: also move the training weights off the device while vLLM generates
+    # (optimizer states and gradients always move).
+    offload_params: bool = False

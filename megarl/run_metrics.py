@@ -23,6 +23,16 @@ class PhaseTimer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
 
+def _drop_steps_from(path: str, first_step: int) -> None:
+    """A resumed run repeats the steps after its checkpoint: forget what was logged for them."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if json.loads(line)["step"] < first_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
 class MetricsLog:
     """metrics.jsonl + TensorBoard event files in run_dir, and a tqdm bar with reward and ETA."""
 
@@ -35,7 +45,9 @@ class MetricsLog:
 
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        _drop_steps_from(self.path, first_step)
+        # purge_step hides events a killed run logged past its last checkpoint.
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=first_step)
         self.bar = tqdm(total=total_steps, initial=first_step - 1, desc="steps", unit="step")
 
     def log(self, step: int, metrics: Dict[str, float]) -> None:

@@ -16,7 +16,8 @@ def plot_run(run_dir: str) -> str:
         rows: List[dict] = [json.loads(line) for line in f]
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    panels = [("reward/mean", "reward (mean)"), ("actor/kl", "KL to reference"),
+    panels = [("reward/mean", "reward (mean)"),
+              ("kl/actor_to_reference", "KL to reference (algo.kl_estimator)"),
               ("response/length_mean", "response length (tokens)")]
     for ax, (key, title) in zip(axes.flat, panels):
         ax.plot(steps, [r.get(key, float("nan")) for r in rows])

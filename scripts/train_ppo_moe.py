@@ -14,17 +14,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", help="YAML file (configs/)")
     parser.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    parser.add_argument("--resume", default=None,
+                        help="'auto': continue from the newest complete checkpoint in run_dir (start "
+                             "fresh if there is none); or a run_dir/checkpoints/step_NNNNNN folder")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
     args = parser.parse_args()
     config = load(RunConfig, args.config, args.overrides)
     if "RANK" in os.environ:
         from megarl.loop import train
 
-        train(config)
+        train(config, args.resume)
     else:
         from megarl.launch import launch
 
-        launch(config, args.ray_address)
+        launch(config, args.ray_address, args.resume)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,15 @@ two steps of every other advantage estimator under torchrun. Real vLLM rollouts 
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from tests.launch import run
+from tests.launch import ROOT, run
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 
@@ -26,6 +31,12 @@ def _steps(run_dir):
 def _args(demo_inputs, run_dir, *extra):
     return ("--config", "configs/demo_cpu.yaml", f"model.hf_dir={demo_inputs / 'model'}",
             f"data.path={demo_inputs / 'train.jsonl'}", f"run_dir={run_dir}", "steps=2", *extra)
+
+
+def _one_rank():
+    """A world of one without torchrun: the script runs the loop in this process."""
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29533"}
 
 
 def _check_steps(steps, critic: bool):
@@ -55,6 +66,63 @@ def test_every_estimator_runs_two_steps(demo_inputs, tmp_path, estimator):
     run_dir = tmp_path / "run"
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, f"algo.advantage={estimator}",
                                            "layout.world_size=1", "layout.ep=1"),
-        nproc=1, timeout=900, env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"})
+        nproc=1, timeout=900, env=_one_rank())
     _check_steps(_steps(run_dir), critic=False)
+
+
+def test_dynamic_sampling_trains_on_informative_groups(demo_inputs, tmp_path):
+    run_dir = tmp_path / "run"
+    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "algo.advantage=grpo",
+                                           "algo.dynamic_sampling_rounds=3", "layout.world_size=1",
+                                           "layout.ep=1", "data.prompts_per_step=8"),
+        nproc=1, timeout=900, env=_one_rank())
+    steps = _steps(run_dir)
+    _check_steps(steps, critic=False)
+    for s in steps:
+        assert 1 <= s["dynamic_sampling/rounds"] <= 4
+        # The trained batch, measured after selection, holds only informative groups whenever
+        # the rounds found enough of them, and fillers only for the shortfall.
+        shortfall = max(0, 8 - s["dynamic_sampling/informative_groups"])
+        assert s["dynamic_sampling/uninformative_kept"] == shortfall
+        assert s["dynamic_sampling/rounds"] == 4 or shortfall == 0
+
+
+def _without_timings(step):
+    return {k: v for k, v in step.items() if not k.startswith(("time/", "throughput/"))}
+
+
+def test_killed_run_resumes_exactly_and_exports_hf(demo_inputs, tmp_path):
+    """PPO with a critic and a KL-penalized reward at EP2 (torchrun): an uninterrupted 6-step run,
+    and the same run killed with SIGKILL once its step-3 checkpoint exists, then resumed with
+    --resume auto. Steps 4-6 must log the same metrics; the final HF export must equal the
+    converter's export of the last Megatron checkpoint, bit for bit."""
+    args = ("steps=6", "checkpoint.every=3", "algo.kl_reward_coeff=0.05", "data.prompts_per_step=8")
+    whole = tmp_path / "whole"
+    run("scripts/train_ppo_moe.py", *_args(demo_inputs, whole, *args), nproc=2, timeout=900)
+
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "scripts/train_ppo_moe.py"), *_args(demo_inputs, killed, *args)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not (killed / "checkpoints" / "step_000003" / "trainer.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-3 checkpoint"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    out = run("scripts/train_ppo_moe.py", *_args(demo_inputs, killed, *args), "--resume", "auto",
+              nproc=2, timeout=900)
+    assert "resumed from" in out.stdout + out.stderr
+
+    expected, got = _steps(whole), _steps(killed)
+    assert [s["step"] for s in got] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(expected[3:], got[3:]):
+        assert _without_timings(a) == _without_timings(b)
+    assert sorted(os.listdir(killed / "checkpoints")) == ["step_000003", "step_000006"]
+
+    exported = tmp_path / "from_checkpoint"
+    run("scripts/convert_megatron_to_hf.py", "--megatron-dir",
+        str(whole / "checkpoints" / "step_000006" / "actor"), "--out", str(exported))
+    run("scripts/compare_hf_checkpoints.py", str(exported), str(whole / "hf"))
+    run("scripts/compare_hf_checkpoints.py", str(exported), str(killed / "hf"))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.actor.batch import RolloutBatch
+from megarl.algos.shaping import informative_groups
 from megarl.rollout.engine import RolloutEngine, RolloutSample, SamplingConfig
 from megarl.rollout.prompts import Prompt
 from megarl.rollout.rewards import RewardFn, score
@@ -68,3 +69,43 @@ def collect(engine: RolloutEngine, prompts: List[Prompt], sampling: SamplingConf
     scores = score(reward_fn, responses, [prompts[s.prompt_index].answer for s in samples])
     return Collected(to_batch(samples, scores.rewards), responses, scores.failures,
                      scores.first_error or "", sum(s.finish_reason == "length" for s in samples))
+
+
+def _concat(parts: List[Collected]) -> Collected:
+    """Rounds of rollouts as one, rows right-padded to the widest; group ids of later rounds are
+    offset past the earlier rounds' prompts (`prompts_per_round` each)."""
+    width = max(p.batch.width for p in parts)
+    rows = [torch.nn.functional.pad(p.batch.tokens, (0, width - p.batch.width)) for p in parts]
+    padded = {name: torch.cat([torch.nn.functional.pad(getattr(p.batch, name), (0, width - p.batch.width))
+                               for p in parts]) for name in ("loss_mask", "rollout_logprobs")}
+    offset = 0
+    group_ids = []
+    for p in parts:
+        group_ids.append(p.batch.group_ids + offset)
+        offset += int(p.batch.group_ids.max()) + 1
+    batch = RolloutBatch(tokens=torch.cat(rows), lengths=torch.cat([p.batch.lengths for p in parts]),
+                         group_ids=torch.cat(group_ids), rewards=torch.cat([p.batch.rewards for p in parts]),
+                         **padded)
+    return Collected(batch, [r for p in parts for r in p.responses],
+                     sum(p.reward_failures for p in parts),
+                     next((p.first_reward_error for p in parts if p.first_reward_error), ""),
+                     sum(p.truncated for p in parts))
+
+
+def keep_informative(parts: List[Collected], groups: int) -> Collected:
+    """DAPO dynamic sampling: the first `groups` groups whose rewards differ, in round order;
+    when the rounds hold fewer, the first uninformative groups fill the batch up to `groups` so
+    every step trains on the same number of sequences."""
+    merged = _concat(parts)
+    batch = merged.batch
+    informative = informative_groups(batch.rewards, batch.group_ids)
+    order = torch.unique(batch.group_ids)  # sorted: round order, then prompt order
+    first = {int(g): bool(informative[batch.group_ids == g][0]) for g in order}
+    chosen = ([g for g in first if first[g]] + [g for g in first if not first[g]])[:groups]
+    rows = torch.nonzero(torch.isin(batch.group_ids, torch.tensor(chosen))).flatten()
+    kept = batch.select(rows)
+    width = int(kept.lengths.max())
+    kept = kept.with_fields(**{name: getattr(kept, name)[:, :width]
+                               for name in ("tokens", "loss_mask", "rollout_logprobs")})
+    return Collected(kept, [merged.responses[i] for i in rows.tolist()], merged.reward_failures,
+                     merged.first_reward_error, merged.truncated)

@@ -1,0 +1,71 @@
+"""Export a live model (any TP/PP/EP layout) as an HF checkpoint, streaming.
+
+The export is a weight sync into files: `HFDirectoryWriter` takes the place of the rollout engine
+in megarl.resharding.sync_weights, so the same plan and transport join the shards bucket by
+bucket, and rank 0 writes each bucket as one safetensors file (memory: one bucket, as in a sync).
+Writes into OUT.partial and renames it when the index, config and tokenizer files are in place.
+Does not own the Megatron-checkpoint path (convert.py) or choosing when to export (the loop).
+"""
+
+import json
+import os
+import shutil
+from typing import Iterable, List, Tuple
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from megarl.models.checkpoint import TOKENIZER_FILES
+from megarl.models.hf_config import ModelArch
+from megarl.resharding.sync import sync_weights
+from megarl.rollout.engine import WeightUpdateReport
+
+
+class HFDirectoryWriter:
+    """The RolloutEngine surface sync_weights uses, writing HF files instead of loading them."""
+
+    def __init__(self, out_dir: str, hf_config: dict, assets_dir: str):
+        self.out_dir, self.hf_config, self.assets_dir = out_dir, hf_config, assets_dir
+        self.partial = out_dir.rstrip("/") + ".partial"
+        self.writer = dist.get_rank() == 0
+        self.weight_map = {}
+
+    def begin_weight_update(self) -> None:
+        if self.writer:
+            shutil.rmtree(self.partial, ignore_errors=True)
+            os.makedirs(self.partial)
+
+    def load_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        if not self.writer:
+            return
+        filename = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
+        tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors}
+        save_file(tensors, os.path.join(self.partial, filename), metadata={"format": "pt"})
+        self.weight_map.update({name: filename for name in tensors})
+
+    def finish_weight_update(self) -> WeightUpdateReport:
+        # The plan refuses to run unless it covers every tensor the architecture has, so what
+        # was written is complete by construction.
+        if self.writer:
+            total = sum(os.path.getsize(os.path.join(self.partial, f)) for f in set(self.weight_map.values()))
+            with open(os.path.join(self.partial, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": self.weight_map}, f,
+                          indent=2, sort_keys=True)
+            with open(os.path.join(self.partial, "config.json"), "w") as f:
+                json.dump(self.hf_config, f, indent=2)
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(self.assets_dir, name)):
+                    shutil.copy2(os.path.join(self.assets_dir, name), self.partial)
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+            os.rename(self.partial, self.out_dir)
+        written = len(self.weight_map)
+        return WeightUpdateReport(params_expected=written, params_loaded=written)
+
+
+def export_hf(chunks: List[torch.nn.Module], arch: ModelArch, hf_config: dict, tokenizer_dir: str,
+              out_dir: str) -> str:
+    """Collective: write the model held by `chunks` to `out_dir` in HF format."""
+    sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir))
+    dist.barrier()
+    return out_dir
