@@ -67,8 +67,9 @@ class RolloutEngine(Protocol):
     def release_memory(self) -> None:
         """Free generation memory (KV cache, and weights where supported) while training runs."""
 
-    def resume_memory(self) -> None:
-        """Re-acquire what release_memory freed, before the next generate."""
+    def resume_memory(self, weights: bool = True, kv_cache: bool = True) -> None:
+        """Re-acquire what release_memory freed: the weights before a weight update, both before
+        the next generate. Updates and generation refuse to run into released memory."""
 
     def shutdown(self) -> None:
         ...

@@ -58,7 +58,7 @@ class VLLMEngine:
             enforce_eager=_ON_CPU, gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=not _ON_CPU, **kwargs,
         )
-        self._sleeping = False
+        self._asleep = set()  # of "weights", "kv_cache": what release_memory put to sleep
 
     @property
     def data_parallel_rank(self) -> int:
@@ -67,6 +67,7 @@ class VLLMEngine:
         return rank // self.rollout_tp
 
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
+        self._require_awake("generate", ["weights", "kv_cache"])
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -91,6 +92,7 @@ class VLLMEngine:
         return samples
 
     def begin_weight_update(self) -> None:
+        self._require_awake("weight update", ["weights"])
         self.llm.collective_rpc(_begin_update)
 
     def load_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
@@ -104,15 +106,27 @@ class VLLMEngine:
 
     def release_memory(self) -> None:
         """GPU: vLLM sleep mode level 1 (weights to host, KV cache dropped). The CPU platform
-        has no sleep mode: the KV cache stays allocated, bounded by kv_cache_gib."""
-        if not _ON_CPU and not self._sleeping:
+        has no sleep mode: the KV cache stays allocated, bounded by kv_cache_gib. The state is
+        tracked on both, so the same order of calls is enforced (and tested) on CPU."""
+        if not _ON_CPU and not self._asleep:
             self.llm.sleep(level=1)
-            self._sleeping = True
+        self._asleep = {"weights", "kv_cache"}
 
-    def resume_memory(self) -> None:
-        if self._sleeping:
-            self.llm.wake_up()
-            self._sleeping = False
+    def resume_memory(self, weights: bool = True, kv_cache: bool = True) -> None:
+        """Wake what is asleep of the weights and/or the KV cache. A weight sync needs only the
+        weights awake; waking the KV cache can wait until the training state is offloaded."""
+        tags = [tag for tag, wanted in (("weights", weights), ("kv_cache", kv_cache))
+                if wanted and tag in self._asleep]
+        if tags and not _ON_CPU:
+            self.llm.wake_up(tags=tags)
+        self._asleep -= set(tags)
+
+    def _require_awake(self, what: str, tags) -> None:
+        asleep = sorted(self._asleep & set(tags))
+        if asleep:
+            # A sync into sleeping weights would be overwritten by the host copy at wake-up.
+            raise RuntimeError(f"{what} while the engine's {asleep} are released; call "
+                               f"resume_memory({', '.join(f'{t}=True' for t in asleep)}) first")
 
     def shutdown(self) -> None:
         self.llm = None

@@ -1,0 +1,121 @@
+"""The colocated memory handoff (megarl/actor/offload.py) on real Megatron TrainStates and the real
+vLLM engine, on CPU where the same code really frees and restores memory.
+
+One launch per layout does all the work (tests/workers/offload_handoff.py); these tests read what
+every rank saved. Offload must free exactly the storages it claims (sizes 0) and count exactly the
+bytes that the buffer sizes predict; reload must restore every parameter, main param and Adam
+moment bit for bit; a second update after offload/reload must equal a run that never offloaded;
+around vLLM the order must be offload, resume_memory, generate, release_memory, reload.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.launch import run
+
+FP32 = 4  # bytes per element of the Adam moments, fp32 main params and fp32 gradients
+# layout -> (nproc, ParallelDims fields, {case: (model, dtype or None, distributed optimizer)})
+LAYOUTS = {
+    "single": (1, {}, {"dense": ("qwen3", None, True), "dense_bf16": ("qwen3", "bfloat16", True),
+                       "dense_plain_optimizer": ("qwen3", None, False)}),
+    "ep2": (2, {"ep": 2}, {"moe": ("qwen3_moe", None, True),
+                           "moe_bf16": ("qwen3_moe", "bfloat16", True)}),
+}
+CASES = [(layout, case) for layout, (_, _, cases) in LAYOUTS.items() for case in cases]
+
+
+@pytest.fixture(scope="module")
+def results(hf_models, tmp_path_factory):
+    """{layout: {case: [result of each rank]}}; the single-rank launch also runs the vLLM handoff."""
+    out = {}
+    for layout, (nproc, dims, cases) in LAYOUTS.items():
+        folder = tmp_path_factory.mktemp(f"offload_{layout}")
+        spec = [[case, hf_models[model], dtype, dist_opt]
+                for case, (model, dtype, dist_opt) in cases.items()]
+        vllm = ["--vllm", hf_models["qwen3"]] if layout == "single" else []
+        run("tests/workers/offload_handoff.py", "--layout", json.dumps(dims), "--cases",
+            json.dumps(spec), "--out-dir", str(folder), *vllm, nproc=nproc, timeout=900)
+        names = list(cases) + (["handoff"] if vllm else [])
+        out[layout] = {name: [torch.load(folder / f"{name}_rank{r}.pt") for r in range(nproc)]
+                       for name in names}
+    return out
+
+
+def expected_bytes(counts: dict, params: bool) -> tuple:
+    """(host bytes, device bytes freed) predicted from the buffer and optimizer sizes: the Adam
+    moments always; bf16 models' separate fp32 main params always (fp32 models' main params are
+    views of the parameters); the parameter buffers when `params`; gradients freed, not copied."""
+    separate_main = counts["param_dtype"] != "torch.float32"
+    host = (FP32 * counts["moment_numel"] + separate_main * FP32 * counts["main_numel"]
+            + params * counts["param_bytes"])
+    return host, host + counts["grad_bytes"]
+
+
+@pytest.mark.parametrize("params", [False, True])
+@pytest.mark.parametrize("layout,case", CASES)
+def test_offload_frees_what_it_counts(results, layout, case, params):
+    for rank, result in enumerate(results[layout][case]):
+        counts, got = result["counts"], result["offloads"][params]
+        bf16 = counts["param_dtype"] == "torch.bfloat16"
+        assert counts["moment_numel"] == 2 * counts["main_numel"] > 0  # exp_avg + exp_avg_sq
+        assert got["freed"] == {"moments": True, "grads": True, "params": params,
+                                "main": params or bf16}, (rank, got["freed"])
+        assert (got["host_bytes"], got["freed_bytes"]) == expected_bytes(counts, params), rank
+        assert got["after_reload"] == dict.fromkeys(got["freed"], False), rank
+        if layout == "ep2":
+            assert counts["expert_buffers"] == 1  # expert-parallel buffers were covered too
+
+
+@pytest.mark.parametrize("params", [False, True])
+@pytest.mark.parametrize("layout,case", CASES)
+def test_reload_restores_bit_for_bit(results, layout, case, params):
+    for result in results[layout][case]:
+        got = result["offloads"][params]
+        assert got["difference"] is None  # the first parameter/main param/moment that differed
+        assert got["grads_zero"]
+
+
+@pytest.mark.parametrize("layout,case", CASES)
+def test_next_update_equals_a_run_that_never_offloaded(results, layout, case):
+    for result in results[layout][case]:
+        assert result["first_update_difference"] is None  # the two runs agree before offloading
+        assert result["second_update_moved"] is not None  # the second update changed weights...
+        assert result["second_update_difference"] is None  # ...identically, moments intact
+
+
+def test_handoff_order_around_vllm(results):
+    """Spy records (call, actor moments freed at that moment); actor and critic both move."""
+    result = results["single"]["handoff"][0]
+    assert result["calls"] == [("offload", False), ("offload", True), ("resume_memory", True),
+                               ("generate", True), ("release_memory", True), ("reload", True),
+                               ("reload", False)]
+    everything = {"moments": True, "grads": True, "params": True, "main": True}
+    assert result["inside"] == {"actor": everything, "critic": everything}
+    assert result["tokens_equal"], result["tokens"]  # vLLM generated as before the handoff
+    assert result["after"] == [dict.fromkeys(everything, False)] * 2
+    assert result["differences"] == [None, None]
+    assert result["freed_bytes"] == sum(expected_bytes(c, params=True)[1] for c in result["counts"])
+
+
+def test_handoff_is_undone_when_generation_raises(results):
+    result = results["single"]["handoff"][0]
+    assert result["raised_calls"] == [("offload", False), ("offload", True), ("resume_memory", True),
+                                      ("release_memory", True), ("reload", True), ("reload", False)]
+    assert result["raised_after"] == [{"moments": False, "grads": False, "params": False,
+                                       "main": False}] * 2
+    assert result["raised_differences"] == [None, None]
+
+
+def test_released_engine_refuses_updates_and_generation_until_woken(results):
+    """After the handoff vLLM's memory is released: a weight sync then would be overwritten by
+    vLLM's host copy at wake-up (GPU sleep mode), so it is refused, as is generation. Waking only
+    the weights lets the sync run while generation still waits for the KV cache."""
+    result = results["single"]["handoff"][0]
+    refused = result["released_refusals"]
+    assert "weight update" in refused["weight_update"] and "'weights'" in refused["weight_update"]
+    assert "resume_memory(weights=True)" in refused["weight_update"]
+    assert "'kv_cache', 'weights'" in refused["generate"]
+    assert result["synced"]
+    assert "['kv_cache']" in result["kv_cache_refusal"]
