@@ -12,8 +12,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megarl import run_checkpoint
+from megarl import run_checkpoint, run_flops
 from megarl.actor.actor import Actor
+from megarl.actor.offload import generation_memory
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.algos.shaping import informative_groups, overlong_penalty
@@ -89,6 +90,7 @@ class Run:
     prompts: List[Prompt]
     sampler: PromptSampler
     reward_fn: object
+    device: str  # for MFU: the accelerator's name ("cpu" without one)
 
 
 def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
@@ -132,11 +134,12 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
                            config.data.prompt_key, config.data.answer_key)
     gen = config.generation
     engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, seed=config.seed,
-                        kv_cache_gib=gen.kv_cache_gib,
+                        dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
+                        gpu_memory_utilization=gen.gpu_memory_utilization,
                         max_model_len=config.data.max_prompt_len + gen.max_new_tokens)
     run = Run(config, arch, hf_config, actor, critic, engine, tokenizer, prompts.prompts,
               PromptSampler(len(prompts.prompts), config.data.prompts_per_step, config.data.seed),
-              load_reward_fn(config.algo.reward))
+              load_reward_fn(config.algo.reward), run_flops.device_name())
     done = run_checkpoint.load(run, resume_from) if resume_from else 0
     sync_weights(actor_chunks, arch, engine)
     if rank0:
@@ -146,10 +149,11 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
     return run, done
 
 
-def rollouts(run: Run, number: int) -> Tuple[Collected, List[Prompt], dict]:
-    """Step `number`'s rollouts, scored, and the prompts their group ids index. With DAPO dynamic
-    sampling, groups whose rewards are all equal are dropped and more prompts are drawn, up to
-    algo.dynamic_sampling_rounds extra rounds. Collective."""
+def rollouts(run: Run, number: int) -> Tuple[Collected, List[Prompt], List[int], dict]:
+    """Step `number`'s rollouts, scored; the prompts their group ids index; the lengths of every
+    sequence generated (kept or not). With DAPO dynamic sampling, groups whose rewards are all
+    equal are dropped and more prompts are drawn, up to algo.dynamic_sampling_rounds extra
+    rounds. Collective."""
     config, gen = run.config, run.config.generation
     extra_rounds = config.algo.dynamic_sampling_rounds
     parts, prompts, found = [], [], 0
@@ -164,7 +168,7 @@ def rollouts(run: Run, number: int) -> Tuple[Collected, List[Prompt], dict]:
                              torch.distributed.get_rank() % config.layout.rollout_tp))
         prompts += batch_prompts
         if not extra_rounds:
-            return parts[0], prompts, {}
+            return parts[0], prompts, parts[0].batch.lengths.tolist(), {}
         batch = parts[-1].batch
         found += len(torch.unique(batch.group_ids[informative_groups(batch.rewards, batch.group_ids)]))
         if found >= config.data.prompts_per_step:
@@ -172,7 +176,8 @@ def rollouts(run: Run, number: int) -> Tuple[Collected, List[Prompt], dict]:
     kept = keep_informative(parts, config.data.prompts_per_step)
     batch = kept.batch
     informative = torch.unique(batch.group_ids[informative_groups(batch.rewards, batch.group_ids)])
-    return kept, prompts, {
+    generated = [n for part in parts for n in part.batch.lengths.tolist()]
+    return kept, prompts, generated, {
         "dynamic_sampling/rounds": len(parts), "dynamic_sampling/informative_groups": found,
         "dynamic_sampling/uninformative_kept": len(torch.unique(batch.group_ids)) - len(informative)}
 
@@ -180,11 +185,12 @@ def rollouts(run: Run, number: int) -> Tuple[Collected, List[Prompt], dict]:
 def step(run: Run, number: int):
     """One RL step. Returns (metrics, the collected rollouts, their prompts). Collective."""
     config, actor, critic, engine = run.config, run.actor, run.critic, run.engine
+    states = [actor.state] + ([critic.state] if critic is not None else [])
     timer = PhaseTimer()
-    with timer("generate"):
-        engine.resume_memory()
-        collected, prompts, sampling_metrics = rollouts(run, number)
-        engine.release_memory()
+    run_flops.reset_peak_memory()
+    # The hybrid-engine handoff: training state off the device, vLLM's KV cache in, and back.
+    with timer("generate"), generation_memory(states, engine, config.offload_params) as offloaded:
+        collected, prompts, generated, sampling_metrics = rollouts(run, number)
     batch = collected.batch
     with timer("old_logprobs"):
         batch = actor.logprobs(batch)
@@ -203,11 +209,27 @@ def step(run: Run, number: int):
         with timer("critic_update"):
             critic_metrics = critic.update(batch)
     with timer("sync"):
+        engine.resume_memory(kv_cache=False)  # weights only: the training state is still here
         sync_weights(actor.state.chunks, run.arch, engine)
+    phases = run_flops.rl_phases(generated, batch.lengths.tolist(), reference=actor.reference is not None,
+                                 critic=critic is not None, actor_epochs=config.actor.batching.epochs,
+                                 critic_epochs=config.critic.batching.epochs)
     collected = replace(collected, batch=batch)
     metrics = {**_step_metrics(collected, actor_metrics, critic_metrics, timer),
-               **_kl_to_reference(batch, config.algo.kl_estimator), **sampling_metrics}
+               **_kl_to_reference(batch, config.algo.kl_estimator), **sampling_metrics,
+               **run_flops.throughput_metrics(run_flops.step_flops(run.arch, phases), timer.seconds,
+                                              config.layout.world_size, run.device),
+               "memory/offloaded_bytes": offloaded, "memory/peak_bytes": _max_over_ranks(
+                   run_flops.peak_memory_bytes())}
     return metrics, collected, prompts
+
+
+def _max_over_ranks(value: int) -> int:
+    """Pipeline stages and expert shards differ in memory: report the largest rank's."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"  # NCCL: on the GPU
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 def _step_metrics(collected, actor_metrics: dict, critic_metrics: dict, timer: PhaseTimer) -> dict:

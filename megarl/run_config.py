@@ -56,7 +56,13 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
-    kv_cache_gib: int = 1
+    kv_cache_gib: int = 1  # CPU: vLLM's KV cache size
+    gpu_memory_utilization: float = 0.5  # GPU: vLLM's share of each device (weights + KV cache)
+
+    def __post_init__(self):
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"generation.gpu_memory_utilization={self.gpu_memory_utilization} must lie "
+                             "in (0, 1): the training state shares the device")
 
 
 @dataclass(frozen=True)
