@@ -109,8 +109,11 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
         hf_config = json.load(f)
     arch = arch_from_hf_config(hf_config)
     resume_from = run_checkpoint.resolve(config.run_dir, resume)
-    if resume_from:  # refuse a checkpoint this run cannot continue before anything is built
+    # Refuse checkpoints this run cannot use before anything is built.
+    if resume_from:
         run_checkpoint.read_trainer_file(resume_from, config, hf_config)
+    if config.model.megatron_dir:
+        checkpoint.require_model(config.model.megatron_dir, hf_config, config.model.hf_dir)
     megatron_groups.initialize(dims, seed=config.seed)
     rank0 = megatron_groups.is_rank0()
     if rank0:

@@ -117,7 +117,7 @@ def save(run, step: int, keep: int) -> str:
     if rank0:
         with open(os.path.join(partial, TRAINER_FILE), "w") as f:
             json.dump({"step": step, "world_size": dist.get_world_size(),
-                       "layout": asdict(config.layout), "hf_config": run.hf_config,
+                       "layout": asdict(config.layout),
                        "critic": run.critic is not None, "sampler": run.sampler.state_dict()}, f, indent=2)
         os.rename(partial, final)
         for old in complete_checkpoints(config.run_dir)[:-keep]:
@@ -143,11 +143,7 @@ def read_trainer_file(path: str, config: RunConfig, hf_config: dict) -> dict:
     """The checkpoint's trainer.json, refused with the difference if this run cannot continue it."""
     with open(os.path.join(path, TRAINER_FILE)) as f:
         saved = json.load(f)
-    if saved["hf_config"] != hf_config:
-        differ = sorted(k for k in saved["hf_config"].keys() | hf_config.keys()
-                        if saved["hf_config"].get(k) != hf_config.get(k))
-        raise ValueError(f"checkpoint {path} was trained from a different model: config fields {differ} "
-                         f"differ from {config.model.hf_dir}; resume with the model it was made from")
+    model_checkpoint.require_model(os.path.join(path, "actor"), hf_config, config.model.hf_dir)
     if saved["layout"] != asdict(config.layout):
         raise ValueError(f"checkpoint {path} was saved at layout {saved['layout']}, this run uses "
                          f"{asdict(config.layout)}; optimizer states resume at the same layout only "

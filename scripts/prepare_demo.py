@@ -1,9 +1,12 @@
 """Make the CPU demo's inputs in OUT: the addition task (train.jsonl), its sentencepiece
-tokenizer, and a tiny Qwen3-MoE-style checkpoint with that tokenizer's vocabulary."""
+tokenizer, a tiny Qwen3-MoE-style HF checkpoint with that tokenizer's vocabulary (OUT/model),
+warm-started, and its Megatron conversion made with the project's converter (OUT/megatron)."""
 
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 from megarl.models.tiny_checkpoint import make_tiny_checkpoint
 from megarl.rollout.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
@@ -29,6 +32,13 @@ def main():
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     nll = warm_start(model_dir, tokenizer, records, args.sft_steps, args.seed)
+    # The user-facing converter, as a fresh world of one (the actor loads it at any layout). The
+    # warm start's world exported its rendezvous variables; its port may still be held.
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "convert_hf_to_megatron.py"),
+                    "--hf-dir", model_dir, "--out", os.path.join(args.out, "megatron")],
+                   check=True, stdout=sys.stderr,
+                   env={k: v for k, v in os.environ.items() if k not in launcher})
     print(f"demo inputs in {args.out}: {len(records)} prompts, vocab {len(tokenizer)}, "
           f"{args.sft_steps} warm-start steps (answer NLL {nll[0]:.2f} -> {nll[-1]:.2f})")
 

@@ -30,6 +30,7 @@ def _steps(run_dir):
 
 def _args(demo_inputs, run_dir, *extra):
     return ("--config", "configs/demo_cpu.yaml", f"model.hf_dir={demo_inputs / 'model'}",
+            f"model.megatron_dir={demo_inputs / 'megatron'}",
             f"data.path={demo_inputs / 'train.jsonl'}", f"run_dir={run_dir}", "steps=2", *extra)
 
 

@@ -55,6 +55,17 @@ def read_model_file(ckpt_dir: str) -> Dict:
         return json.load(f)
 
 
+def require_model(ckpt_dir: str, hf_config: Dict, source: str) -> None:
+    """Raise, naming the differing config fields, unless the checkpoint holds the model that
+    `hf_config` (read from `source`) describes."""
+    saved = read_model_file(ckpt_dir)["hf_config"]
+    differ = sorted(k for k in saved.keys() | hf_config.keys() if saved.get(k) != hf_config.get(k))
+    if differ:
+        raise ValueError(f"checkpoint {ckpt_dir!r} holds a different model than {source!r}: config fields "
+                         f"{differ} differ (e.g. {differ[0]}: {saved.get(differ[0])!r} vs "
+                         f"{hf_config.get(differ[0])!r}); use the checkpoint made from that model")
+
+
 def load(chunks: List[torch.nn.Module], ckpt_dir: str) -> None:
     """Collective: load the checkpoint into this rank's shards at the current layout."""
     read_model_file(ckpt_dir)
