@@ -7,6 +7,7 @@ import argparse
 import os
 
 from megarl.run_config import RunConfig
+from megarl.run_preflight import preflight
 from megarl.typed_config import load
 
 
@@ -20,6 +21,7 @@ def main():
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
     args = parser.parse_args()
     config = load(RunConfig, args.config, args.overrides)
+    preflight(config)  # a run that cannot work is refused before any process starts
     if "RANK" in os.environ:
         from megarl.loop import train
 

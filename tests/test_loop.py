@@ -4,6 +4,7 @@ two steps of every other advantage estimator under torchrun. Real vLLM rollouts 
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,3 +135,17 @@ def test_killed_run_resumes_exactly_and_exports_hf(demo_inputs, tmp_path):
         str(whole / "checkpoints" / "step_000006" / "actor"), "--out", str(exported))
     run("scripts/compare_hf_checkpoints.py", str(exported), str(whole / "hf"))
     run("scripts/compare_hf_checkpoints.py", str(exported), str(killed / "hf"))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("layout.ep=3", r"ep\(3\) \* pp\(1\) \* expert_dp\(\?\) must equal world size 2"),
+    ("layout.rollout_tp=3", r"rollout tp 3 must divide the world size 2"),
+    ("actor.batching.mini_batch_size=5", r"128 sequences is not divisible by mini_batch_size=5"),
+    ("generation.max_new_tokens=1000", r"= 1032 exceeds the model's max_position_embeddings 256"),
+])
+def test_impossible_run_is_refused_before_anything_starts(demo_inputs, tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    proc = run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, override), check=False, timeout=120)
+    assert proc.returncode != 0
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert "ray" not in proc.stderr.lower() and not run_dir.exists()

@@ -1,21 +1,19 @@
 """The GPU cluster presets in configs/: each loads as a RunConfig, and its layout, rollout engines
 and batch sizes fit the real model it is for, stood in by the model's published config.json (no
-weights). The checks are the ones the run makes (ParallelDims, the TransformerConfig with its
-check_model, rollout groups, mini-batches, micro-batch plans), applied before any GPU is asked."""
+weights). The checks are the run's own preflight (megarl/run_preflight.py), which the training
+script applies before any process starts, plus the shape of 8-GPU nodes. Broken overrides are
+refused naming their value."""
 
 import json
 import os
 
 import pytest
 
-from megarl.actor.config import BatchingConfig
-from megarl.actor.packing import plan_micro_batches
-from megarl.actor.passes import mini_batch_rows
-from megarl.models.hf_config import ModelArch, load_arch
-from megarl.models.megatron_config import transformer_config
+from megarl.models.hf_config import load_arch
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rollout.vllm_engine import rollout_groups
 from megarl.run_config import RunConfig
+from megarl.run_preflight import preflight
 from megarl.typed_config import load
 from tests.published_configs import MIXTRAL_8X7B, QWEN3_30B_A3B
 
@@ -36,58 +34,23 @@ def load_preset(name: str, tmp_path, *overrides: str):
     return config, load_arch(str(hf_dir))
 
 
-def _check_rollout(config: RunConfig, arch: ModelArch) -> None:
-    """vLLM engines of rollout_tp GPUs inside one node, shards vLLM can make, prompts split evenly."""
-    world, rollout_tp = config.layout.world_size, config.layout.rollout_tp
-    engines = rollout_groups(world, rollout_tp)
-    if GPUS_PER_NODE % rollout_tp:
-        raise ValueError(f"layout.rollout_tp={rollout_tp} must divide the {GPUS_PER_NODE} GPUs of a "
-                         "node: an engine's tensor-parallel all-reduces need NVLink")
-    if arch.num_heads % rollout_tp or (arch.num_kv_heads % rollout_tp and rollout_tp % arch.num_kv_heads):
-        raise ValueError(f"layout.rollout_tp={rollout_tp}: vLLM needs it to divide the {arch.num_heads} "
-                         "attention heads and to divide or be a multiple of the "
-                         f"{arch.num_kv_heads} KV heads")
-    if arch.num_experts and arch.moe_ffn_hidden_size % rollout_tp:
-        raise ValueError(f"layout.rollout_tp={rollout_tp} must divide moe_intermediate_size "
-                         f"{arch.moe_ffn_hidden_size}: vLLM shards every expert over its TP ranks")
-    if config.data.prompts_per_step % engines:
-        raise ValueError(f"data.prompts_per_step={config.data.prompts_per_step} should be a multiple of "
-                         f"the {engines} rollout engines (world {world} / rollout_tp {rollout_tp}), "
-                         "or some engines wait for the others")
-
-
-def _check_batching(batching: BatchingConfig, sequences: int, longest: int, dims: ParallelDims,
-                    section: str) -> None:
-    """Every pass over the step's sequences can be planned, even when all are the longest."""
-    for rows in (sequences, len(mini_batch_rows(sequences, batching)[0])):  # log-probs, update
-        try:
-            plan_micro_batches([longest] * rows, dims.dp, batching.micro_batch_tokens,
-                               batching.micro_batches, min_micro_batches=dims.pp if dims.vpp else 1)
-        except ValueError as error:
-            raise ValueError(f"{section}.batching with {rows} sequences over dp={dims.dp}: "
-                             f"{error}") from error
-
-
-def check_preset(config: RunConfig, arch: ModelArch) -> ParallelDims:
-    """Raise ValueError naming the values if the preset cannot run the model on its cluster."""
+def check_preset(config: RunConfig) -> ParallelDims:
+    """The run's own preflight, then what a preset adds: whole nodes, and TP groups, expert
+    groups and rollout engines that stay inside a node (their collectives need NVLink)."""
+    dims = preflight(config)
     layout = config.layout
-    dims = ParallelDims(world_size=layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                        ep=layout.ep, etp=layout.etp, vpp=layout.vpp)
-    transformer_config(arch, dims)  # check_model with the builder's arguments, then Megatron's checks
     if layout.world_size % GPUS_PER_NODE:
         raise ValueError(f"layout.world_size={layout.world_size} is not whole nodes of {GPUS_PER_NODE}")
     if GPUS_PER_NODE % dims.tp or GPUS_PER_NODE % (dims.ep * dims.expert_tp):
         raise ValueError(f"tp({dims.tp}) and ep({dims.ep}) * etp({dims.expert_tp}) must divide the "
                          f"{GPUS_PER_NODE} GPUs of a node: their collectives need NVLink")
-    _check_rollout(config, arch)
-    longest = config.data.max_prompt_len + config.generation.max_new_tokens
-    if longest > arch.max_position_embeddings:
-        raise ValueError(f"data.max_prompt_len + generation.max_new_tokens = {longest} exceeds the "
-                         f"model's max_position_embeddings {arch.max_position_embeddings}")
-    sequences = config.data.prompts_per_step * config.generation.samples_per_prompt
-    _check_batching(config.actor.batching, sequences, longest, dims, "actor")
-    if config.algo.uses_critic:
-        _check_batching(config.critic.batching, sequences, longest, dims, "critic")
+    if GPUS_PER_NODE % layout.rollout_tp:
+        raise ValueError(f"layout.rollout_tp={layout.rollout_tp} must divide the {GPUS_PER_NODE} GPUs of a "
+                         "node: an engine's tensor-parallel all-reduces need NVLink")
+    engines = rollout_groups(layout.world_size, layout.rollout_tp)
+    if config.data.prompts_per_step % engines:
+        raise ValueError(f"data.prompts_per_step={config.data.prompts_per_step} should be a multiple of "
+                         f"the {engines} rollout engines, or some engines wait for the others")
     return dims
 
 
@@ -95,7 +58,7 @@ def check_preset(config: RunConfig, arch: ModelArch) -> ParallelDims:
 def test_preset_fits_its_model(name, tmp_path):
     config, arch = load_preset(name, tmp_path)
     assert arch.architecture == PRESETS[name]["architectures"][0] and arch.num_experts
-    dims = check_preset(config, arch)
+    dims = check_preset(config)
     assert config.layout.world_size >= 2 * GPUS_PER_NODE, "a cluster preset spans nodes"
     assert dims.dp > 1, "data parallelism is what scales the batch"
     assert config.actor.optim.lr <= 1e-5, "RL fine-tuning of a pretrained model uses small rates"
@@ -119,4 +82,4 @@ QWEN, MIXTRAL = "qwen3_30b_a3b_gpu.yaml", "mixtral_8x7b_gpu.yaml"
 def test_broken_override_is_refused_with_its_value(name, overrides, message, tmp_path):
     config, arch = load_preset(name, tmp_path, *overrides)
     with pytest.raises(ValueError, match=message):
-        check_preset(config, arch)
+        check_preset(config)

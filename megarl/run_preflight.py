@@ -1,0 +1,69 @@
+"""Checks of a whole run before any process starts: the layout against the model, the rollout
+engines against the world and the model, sequence lengths and batch plans against the layout.
+
+Each section of RunConfig validates itself when loaded; what needs two sections or the model's
+config.json is checked here, so a run that cannot work is refused (naming the values and the
+fix) before Ray places a worker or a GPU is touched. Does not own the checks' definitions:
+ParallelDims, transformer_config, rollout_groups and plan_micro_batches are the ones the run
+itself applies later.
+"""
+
+import os
+
+from megarl.actor.config import BatchingConfig
+from megarl.actor.packing import plan_micro_batches
+from megarl.actor.passes import mini_batch_rows
+from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.models.megatron_config import transformer_config
+from megarl.parallel_state.dims import ParallelDims
+from megarl.rollout.vllm_engine import rollout_groups
+from megarl.run_config import RunConfig
+
+
+def _check_rollout(config: RunConfig, arch: ModelArch) -> None:
+    """Shards vLLM can make at the rollout TP (it splits heads and expert widths over its ranks
+    and replicates KV heads only when rollout_tp is a multiple of their count)."""
+    rollout_tp = config.layout.rollout_tp
+    rollout_groups(config.layout.world_size, rollout_tp)
+    if arch.num_heads % rollout_tp or (arch.num_kv_heads % rollout_tp and rollout_tp % arch.num_kv_heads):
+        raise ValueError(f"layout.rollout_tp={rollout_tp}: vLLM needs it to divide the {arch.num_heads} "
+                         "attention heads and to divide or be a multiple of the "
+                         f"{arch.num_kv_heads} KV heads")
+    if arch.num_experts and arch.moe_ffn_hidden_size % rollout_tp:
+        raise ValueError(f"layout.rollout_tp={rollout_tp} must divide moe_intermediate_size "
+                         f"{arch.moe_ffn_hidden_size}: vLLM shards every expert over its TP ranks")
+
+
+def _check_batching(batching: BatchingConfig, sequences: int, longest: int, dims: ParallelDims,
+                    section: str) -> None:
+    """Every pass over a step's sequences can be planned, even when all are the longest."""
+    for rows in (sequences, len(mini_batch_rows(sequences, batching)[0])):  # log-probs, update
+        try:
+            plan_micro_batches([longest] * rows, dims.dp, batching.micro_batch_tokens,
+                               batching.micro_batches, min_micro_batches=dims.pp if dims.vpp else 1)
+        except ValueError as error:
+            raise ValueError(f"{section}.batching with {rows} sequences over dp={dims.dp}: "
+                             f"{error}") from error
+
+
+def preflight(config: RunConfig) -> ParallelDims:
+    """Raise ValueError/FileNotFoundError naming the values if `config` cannot run; returns the
+    validated layout."""
+    arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
+    if not os.path.isfile(config.data.path):
+        raise FileNotFoundError(f"data.path={config.data.path!r} does not exist (a .jsonl or .parquet "
+                                "file of prompts)")
+    layout = config.layout
+    dims = ParallelDims(world_size=layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                        ep=layout.ep, etp=layout.etp, vpp=layout.vpp)
+    transformer_config(arch, dims)  # the builder's check_model, then Megatron's own checks
+    _check_rollout(config, arch)
+    longest = config.data.max_prompt_len + config.generation.max_new_tokens
+    if longest > arch.max_position_embeddings:
+        raise ValueError(f"data.max_prompt_len + generation.max_new_tokens = {longest} exceeds the "
+                         f"model's max_position_embeddings {arch.max_position_embeddings}")
+    sequences = config.data.prompts_per_step * config.generation.samples_per_prompt
+    _check_batching(config.actor.batching, sequences, longest, dims, "actor")
+    if config.algo.uses_critic:
+        _check_batching(config.critic.batching, sequences, longest, dims, "critic")
+    return dims
