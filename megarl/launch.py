@@ -38,6 +38,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _results(ray, refs: list, run_dir: str) -> dict:
+    """Rank 0's result once every worker has finished. The first worker to fail ends the run at
+    once: the others would otherwise wait in a collective for it until the process-group timeout."""
+    from megarl.run_checkpoint import complete_checkpoints
+
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done[0])
+        except Exception as error:  # the worker raised (RayTaskError), or its process died
+            cause = getattr(error, "cause", None) or error
+            last_line = (str(cause).strip().splitlines() or [""])[-1]
+            newest = (complete_checkpoints(run_dir) or ["none"])[-1]
+            raise RuntimeError(f"worker rank {refs.index(done[0])} failed ({type(cause).__name__}: "
+                               f"{last_line}); newest complete checkpoint: {newest}; continue with "
+                               "--resume auto") from error
+    return ray.get(refs[0])
+
+
 def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optional[str] = None) -> dict:
     """Run the loop on `config.layout.world_size` Ray workers; returns rank 0's last metrics."""
     import ray
@@ -67,7 +87,7 @@ def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optiona
         local_ranks = [nodes[:rank].count(node) for rank, node in enumerate(nodes)]
         ray.get([w.setup.remote(rank, world, local_ranks[rank], master, port)
                  for rank, w in enumerate(workers)])
-        return ray.get([w.train.remote(config, resume) for w in workers])[0]
+        return _results(ray, [w.train.remote(config, resume) for w in workers], config.run_dir)
     finally:
         for w in workers:
             ray.kill(w)

@@ -50,6 +50,10 @@ def _load_train_state(state, saved: dict) -> None:
     optimizers = _torch_optimizers(state)
     for optimizer, optimizer_state, params in zip(optimizers, saved["optimizers"], saved["main_params"]):
         optimizer.load_state_dict(optimizer_state)
+        # load_state_dict keeps torch.load's tensors when dtype and device match, and their
+        # storages cannot be resized: the memory handoff (actor/offload.py) could not free them.
+        for moments in optimizer.state.values():
+            moments.update({k: v.clone() for k, v in moments.items() if isinstance(v, torch.Tensor)})
         for p, value in zip([p for g in optimizer.param_groups for p in g["params"]], params):
             p.copy_(value)
     state.scheduler.load_state_dict(saved["scheduler"])

@@ -149,3 +149,36 @@ def test_impossible_run_is_refused_before_anything_starts(demo_inputs, tmp_path,
     assert proc.returncode != 0
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
     assert "ray" not in proc.stderr.lower() and not run_dir.exists()
+
+
+def test_killed_ray_worker_stops_the_driver_and_the_run_resumes(demo_inputs, tmp_path):
+    """kill -9 of one Ray worker mid-run: the driver exits non-zero within 60 s naming the worker
+    and the newest complete checkpoint (the other worker is not left waiting in a collective),
+    and --resume auto continues from that checkpoint."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts/train_ppo_moe.py"),
+           *_args(demo_inputs, run_dir, "checkpoint.every=1", "checkpoint.keep=1")]
+    cmd[cmd.index("steps=2")] = "steps=40"
+    driver = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not (run_dir / "checkpoints" / "step_000002").exists():
+        assert driver.poll() is None and time.time() < deadline, driver.communicate()[1][-3000:]
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-f", "ray::_Worker"], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    killed_at = time.time()
+    _, stderr = driver.communicate(timeout=120)
+    assert time.time() - killed_at < 60
+    assert driver.returncode != 0
+    newest = re.search(r"worker rank (\d) failed .*newest complete checkpoint: (\S+);", stderr)
+    assert newest, stderr[-3000:]
+    step = int(newest.group(2).rsplit("_", 1)[1])
+    assert step >= 2 and newest.group(2) == str(run_dir / "checkpoints" / f"step_{step:06d}")
+
+    cmd[cmd.index("steps=40")] = f"steps={step + 1}"
+    resumed = subprocess.run([*cmd, "--resume", "auto"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {newest.group(2)} (step {step})" in resumed.stdout + resumed.stderr
+    assert [s["step"] for s in _steps(run_dir)] == list(range(1, step + 2))
