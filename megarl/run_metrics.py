@@ -58,6 +58,10 @@ class MetricsLog:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
+        skipped = {k: v for k, v in metrics.items() if k.endswith("/skipped") and v}
+        if skipped:
+            self.bar.write(f"megarl: step {step}: optimizer steps skipped for non-finite loss or "
+                           f"gradients (fraction per model: {skipped}); the weights were not changed")
         self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         self.bar.update(1)
 

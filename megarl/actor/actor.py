@@ -127,7 +127,8 @@ class Actor:
     def update(self, batch: RolloutBatch) -> dict:
         """Epochs x mini-batches of optimizer steps on `batch` (needs old_logprobs, advantages,
         and ref_logprobs / rollout_logprobs / routed_experts when their switches are on).
-        Returns metrics averaged over the optimizer steps. Collective."""
+        Returns metrics averaged over the optimizer steps; `skipped` is the fraction of them
+        skipped for a non-finite loss or gradient. Collective."""
         self._check_inputs(batch)
         return mean_over_steps(batch, self.config.batching, partial(self._step, batch))
 
@@ -139,13 +140,14 @@ class Actor:
             around = self.replay.replay_around
         try:
             with self._aux_loss_scaled(len(micro_batches)):
-                outputs, grad_norm, lr = self.state.step(
+                outputs, grad_norm, lr, skipped = self.state.step(
                     micro_batches, partial(partial, self._policy_loss, batch, global_counts(batch, rows)),
                     around)
         finally:
             if self.replay is not None:
                 self.replay.stop_replay()
-        return {**sum_metrics(outputs, METRICS), "grad_norm": grad_norm, "lr": lr}
+        return {**sum_metrics(outputs, METRICS), "grad_norm": grad_norm, "lr": lr,
+                "skipped": float(skipped)}
 
     @contextlib.contextmanager
     def _aux_loss_scaled(self, micro_batches: int):

@@ -102,8 +102,10 @@ class TrainState:
 
     def step(self, micro_batches: List[PackedMicroBatch], make_loss: Callable,
              around_forward: Optional[Callable] = None):
-        """Forward+backward over `micro_batches`, then one optimizer step. Returns (loss outputs
-        on the last stage, gradient norm before clipping, learning rate used)."""
+        """Forward+backward over `micro_batches`, then one optimizer step unless a gradient on any
+        rank is not finite (a NaN/inf loss or gradient): then weights, optimizer moments and the LR
+        schedule stay as they were. Returns (loss outputs on the last stage, gradient norm before
+        clipping (nan when skipped), learning rate used, whether the step was skipped)."""
         self.train_mode(True)
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -111,9 +113,20 @@ class TrainState:
         outputs = run_micro_batches(self.model, micro_batches, make_loss, forward_only=False,
                                     around_forward=around_forward)
         lr = self.optimizer.param_groups[0]["lr"]
+        if not _grads_finite(self.model):
+            return outputs, float("nan"), lr, True
+        # Megatron skips by itself only where it scales losses (fp16's overflow check).
         updated, grad_norm, _ = self.optimizer.step()
-        if not updated:
-            raise FloatingPointError(f"the optimizer skipped a step (gradient norm {grad_norm}): "
-                                     "non-finite gradients")
-        self.scheduler.step(increment=1)
-        return outputs, float(grad_norm), lr
+        if updated:
+            self.scheduler.step(increment=1)
+        return outputs, float(grad_norm), lr, not updated
+
+
+def _grads_finite(model: List[DistributedDataParallel]) -> bool:
+    """Whether every gradient on every rank is finite. All ranks must agree: a rank that stepped
+    alone would leave the model replicas different."""
+    buffers = [b.grad_data for chunk in model for b in chunk.buffers + chunk.expert_parallel_buffers]
+    finite = all(bool(torch.isfinite(g).all()) for g in buffers)
+    flag = torch.tensor([float(finite)], device=buffers[0].device if buffers else None)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())

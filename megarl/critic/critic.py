@@ -70,6 +70,7 @@ class Critic:
 
     def _step(self, batch: RolloutBatch, rows: torch.Tensor) -> dict:
         micro_batches = local_micro_batches(batch, rows, self.config.batching)
-        outputs, grad_norm, lr = self.state.step(
+        outputs, grad_norm, lr, skipped = self.state.step(
             micro_batches, partial(partial, self._value_loss, batch, global_counts(batch, rows)))
-        return {**sum_metrics(outputs, METRICS), "grad_norm": grad_norm, "lr": lr}
+        return {**sum_metrics(outputs, METRICS), "grad_norm": grad_norm, "lr": lr,
+                "skipped": float(skipped)}
