@@ -52,6 +52,18 @@ def test_unsupported_fields_name_the_field_and_the_choices(field, value, allowed
     assert allowed in str(err.value)
 
 
+def test_renormalized_top1_routing_is_refused():
+    """Found by tests/test_conversion_fuzz.py: Megatron-Core cannot express it (see hf_config)."""
+    mixtral = dict(BASE, architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=1)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=1: megarl supports top-k >= 2 when"):
+        arch_from_hf_config(mixtral)
+    qwen = dict(BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=1,
+                moe_intermediate_size=64)
+    assert arch_from_hf_config(dict(qwen, norm_topk_prob=False)).moe_topk == 1
+    with pytest.raises(ValueError, match="num_experts_per_tok=1"):
+        arch_from_hf_config(dict(qwen, norm_topk_prob=True))
+
+
 def test_qwen2_head_dim_must_follow_hidden_size():
     with pytest.raises(ValueError, match="head_dim=32"):
         arch_from_hf_config(dict(BASE, architectures=["Qwen2ForCausalLM"], head_dim=32))

@@ -123,6 +123,11 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
     if num_experts:
         moe.update(num_experts=num_experts, moe_topk=int(cfg["num_experts_per_tok"]),
                    router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))
+        if moe["moe_norm_topk"] and moe["moe_topk"] == 1:
+            # Renormalized top-1 weighs its expert by exactly 1; Megatron-Core's router refuses
+            # top-k-then-softmax at k=1, and softmax-then-top-1 would weigh it by its probability.
+            raise _unsupported("num_experts_per_tok", 1, "top-k >= 2 when the top-k weights are "
+                               "renormalized (Mixtral, norm_topk_prob=true), or norm_topk_prob=false")
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     if dtype not in _DTYPES:
         raise _unsupported("dtype", dtype, " or ".join(sorted(_DTYPES)))
