@@ -99,7 +99,7 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
     import transformers
 
     layout = config.layout
-    world = megatron_groups.init_distributed()
+    world = megatron_groups.init_distributed(config.collective_timeout_s)
     if world != layout.world_size:
         raise ValueError(f"layout.world_size={layout.world_size} but {world} processes were started; "
                          "make them agree (torchrun --nproc-per-node, or let Ray place the workers)")
@@ -114,7 +114,7 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
         run_checkpoint.read_trainer_file(resume_from, config, hf_config)
     if config.model.megatron_dir:
         checkpoint.require_model(config.model.megatron_dir, hf_config, config.model.hf_dir)
-    megatron_groups.initialize(dims, seed=config.seed)
+    megatron_groups.initialize(dims, seed=config.seed, timeout_s=config.collective_timeout_s)
     rank0 = megatron_groups.is_rank0()
     if rank0:
         os.makedirs(config.run_dir, exist_ok=True)

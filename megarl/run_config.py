@@ -122,3 +122,10 @@ class RunConfig:
     # Hybrid-engine handoff: also move the training weights off the device while vLLM generates
     # (optimizer states and gradients always move).
     offload_params: bool = False
+    # A collective that not every rank reaches (a dead or stuck rank) fails after this long
+    # instead of hanging the job; long enough for the slowest phase (a checkpoint save, a sync).
+    collective_timeout_s: float = 1800.0
+
+    def __post_init__(self):
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")

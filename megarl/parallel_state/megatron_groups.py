@@ -56,7 +56,7 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.expert_tp,
-        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        distributed_timeout_minutes=timeout_s / 60,  # Megatron makes a timedelta of it: no rounding
         create_gloo_process_groups=torch.cuda.is_available(),
     )
     torch.manual_seed(seed)

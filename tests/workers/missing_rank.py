@@ -1,0 +1,38 @@
+"""torchrun worker: every rank joins megarl's groups with a short collective timeout, then rank 1
+never reaches the all-reduce the others wait in (as a stuck or dead rank would). Rank 0 prints
+one JSON line with how long it waited and what it raised; rank 1 sleeps past the timeout."""
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from megarl.parallel_state import megatron_groups
+from megarl.parallel_state.dims import ParallelDims
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--timeout-s", type=float, required=True)
+    parser.add_argument("--group", choices=["world", "data_parallel"], required=True)
+    args = parser.parse_args()
+    world = megatron_groups.init_distributed(args.timeout_s)
+    megatron_groups.initialize(ParallelDims(world_size=world), timeout_s=args.timeout_s)
+    group = None if args.group == "world" else mpu.get_data_parallel_group()
+    if dist.get_rank() == 1:
+        time.sleep(3 * args.timeout_s)
+        return
+    start = time.time()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        error = None
+    except Exception as caught:  # what gloo raises on a timeout differs between versions
+        error = f"{type(caught).__name__}: {caught}"
+    print(json.dumps({"waited_s": time.time() - start, "error": error}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
