@@ -1,7 +1,8 @@
 """Moving one bucket's pieces to every rank and joining them into full Megatron tensors.
 
 One broadcast per owner rank per bucket: the owner packs its pieces into one flat buffer, every
-rank receives it (NCCL on GPU, gloo on CPU). With one rank, nothing moves. Memory in flight:
+rank receives it (NCCL on GPU, gloo on CPU). With one rank, nothing moves; local tensors (see
+plan.py) are not moved either: sync.py reads them from this rank's own pieces. Memory in flight:
 the bucket's flat buffers plus the joined full tensors.
 """
 
@@ -19,12 +20,14 @@ _DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
 
 def fetch_bucket(bucket: Bucket, local: Dict[Tuple[str, int], torch.Tensor],
                  device: torch.device) -> Tuple[Dict[str, torch.Tensor], int]:
-    """Full tensors of the bucket on every rank, and the bytes this call allocated."""
+    """Full tensors of the bucket's non-local tensors on every rank, and the bytes this call
+    allocated."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    sent = [t for t in bucket.tensors if not t.local]
     received: Dict[Tuple[str, int], torch.Tensor] = {}
     allocated = 0
     for owner in bucket.owners():
-        pieces = [p for t in bucket.tensors for p in t.pieces if p.rank == owner]
+        pieces = [p for t in sent for p in t.pieces if p.rank == owner]
         dtype = _DTYPES[pieces[0].dtype]
         if any(p.dtype != pieces[0].dtype for p in pieces):
             raise ValueError(f"rank {owner} holds mixed dtypes in one bucket: "
@@ -39,7 +42,7 @@ def fetch_bucket(bucket: Bucket, local: Dict[Tuple[str, int], torch.Tensor],
         for piece, part in zip(pieces, flat.split([p.numel for p in pieces])):
             received[(piece.canonical, piece.tp_rank)] = part.view(piece.shape)
     full = {}
-    for tensor in bucket.tensors:
+    for tensor in sent:
         parts = [received[(p.canonical, p.tp_rank)] for p in tensor.pieces]
         first = tensor.pieces[0]
         full[tensor.canonical] = join_shards(parts, first.tp_dim, first.glu)
