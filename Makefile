@@ -12,7 +12,7 @@ LOCK := $(if $(findstring gpu,$(EXTRAS)),,-c requirements/cpu-lock.txt)
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: demo-conversion install test lint demo lock clean
+.PHONY: demo-conversion install test lint demo bench lock clean
 
 install: $(STAMP)
 
@@ -26,11 +26,19 @@ $(STAMP): setup.py requirements/cpu-lock.txt
 	touch $@
 
 test: install
-	$(BIN)/ruff check megarl scripts tests
+	$(BIN)/ruff check megarl scripts tests bench
 	$(BIN)/python -m pytest tests
 
 lint: install
-	$(BIN)/ruff check megarl scripts tests
+	$(BIN)/ruff check megarl scripts tests bench
+
+# Every benchmark at its quick size, one JSON object per case on stdout (results and commands:
+# docs/PERFORMANCE.md). Serial on purpose: they time things, and this machine has 2 cores.
+bench: install
+	$(BIN)/python bench/bench_sync.py --quick
+	$(BIN)/python bench/bench_rollout.py --quick
+	$(BIN)/python bench/bench_train.py --quick
+	$(BIN)/python bench/bench_step.py --quick
 
 # Until the trainer lands: make a tiny Qwen3-MoE, convert it with 2 ranks, check it against HF
 # transformers at TP2 x EP2 (log-probs, loss, gradients), export it back and check bit-exactness,
