@@ -1,0 +1,451 @@
+"""Megatron -> vLLM weight sync, measured against its floor and against the naive way.
+
+  .venv/bin/python bench/bench_sync.py [--quick] [--out runs/bench_sync] [--only NAME ...]
+
+For every case (model size x dtype x training layout x rollout TP x world size) this launcher
+starts one torchrun world running this file with --worker, which loads a random checkpoint into
+the Megatron actor, builds a colocated vLLM engine, and times:
+  sync   megarl.resharding.sync_weights (median of --repeats after one warm-up),
+  floor  one memcpy of the model's bytes in one process (torch.empty + copy_, median),
+  naive  what other trainers do: every full HF tensor gathered to every rank
+         (megarl.models.hf_io.gather_hf_tensors) and all of them reloaded into vLLM.
+stdout: one JSON line per case, then one summary line (scaling with model size and TP, and
+which of the issue's targets hold); logs go to stderr. Exit status 1 if a case failed.
+
+Owns the case grid, the checkpoints it needs (random, made locally, cached under --out), and the
+summary. Does not own the sync (megarl.resharding) nor the engine (megarl.rollout).
+On the 2-core CPU machines a 4-rank case runs 4 processes on 2 cores, as CI-like machines do:
+its times include that oversubscription.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_TAG = "BENCH_SYNC_RESULT "  # marks the worker's result line among vLLM's own stdout logs
+
+# Random checkpoints: name -> (family, make_tiny_checkpoint overrides). hidden = heads * 64
+# (vLLM's CPU attention needs head_dim >= 64), intermediate ~2.75 x hidden, vocab 32000.
+# Checkpoints are fp32; a bfloat16 case builds Megatron and vLLM in bf16 from the same files
+# (load_arch's dtype override; vLLM casts while loading), so both sides sync bf16 tensors.
+MODELS: Dict[str, tuple] = {
+    "qwen3-20m": ("qwen3", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                                intermediate_size=704, num_hidden_layers=4, vocab_size=32000)),
+    "qwen3-45m": ("qwen3", dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+                                intermediate_size=1408, num_hidden_layers=4, vocab_size=32000)),
+    "qwen3-150m": ("qwen3", dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                                 intermediate_size=2816, num_hidden_layers=8, vocab_size=32000)),
+    "qwen3-300m": ("qwen3", dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+                                 intermediate_size=5632, num_hidden_layers=4, vocab_size=32000)),
+    "qwen3moe-60m": ("qwen3_moe", dict(hidden_size=512, num_attention_heads=8,
+                                       num_key_value_heads=4, moe_intermediate_size=512,
+                                       num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+                                       vocab_size=32000)),
+}
+
+# Same-TP layouts (training TP == rollout TP, no PP/EP) are where the floor target applies.
+# "Flat in TP": a TP2 case at most 25% slower than its TP1 twin (faster is fine).
+TARGETS = {"max_ratio_to_floor_same_tp": 3.0, "min_speedup_over_naive_4_ranks": 5.0,
+           "max_relative_deviation_from_linear": 0.2, "max_tp2_over_tp1": 1.25}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    dtype: str
+    world: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    rollout_tp: int = 1
+    naive: bool = True
+    logprob_check: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.series}"
+
+    @property
+    def series(self) -> str:
+        """The case without its model: cases sharing it form one model-size series."""
+        layout = "".join(f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep))
+                         if v != 1) + ("" if self.etp is None else f"etp{self.etp}")
+        return f"{self.dtype}-w{self.world}-{layout or 'dp'}-rtp{self.rollout_tp}"
+
+
+def _dense_layouts(model: str, dtype: str, naive_world: int = 4, max_world: int = 4) -> List[Case]:
+    """The dense grid; the naive way only up to `naive_world` ranks, no case above `max_world`."""
+    cases = [
+        Case(model, dtype, 2, tp=2, rollout_tp=2),
+        Case(model, dtype, 2, tp=2, rollout_tp=1),
+        Case(model, dtype, 2, rollout_tp=1),
+        Case(model, dtype, 2, pp=2, rollout_tp=1),
+        Case(model, dtype, 4, tp=2, pp=2, rollout_tp=1),
+        Case(model, dtype, 4, tp=2, rollout_tp=2),
+        Case(model, dtype, 4, tp=2, rollout_tp=1),
+    ]
+    return [replace(c, naive=c.world <= naive_world) for c in cases if c.world <= max_world]
+
+
+def quick_cases() -> List[Case]:
+    small = "qwen3-20m"
+    return [Case(small, "float32", 2, tp=2, rollout_tp=2, logprob_check=True),
+            Case(small, "float32", 2, tp=2, rollout_tp=1),
+            Case(small, "float32", 4, tp=2, rollout_tp=2, logprob_check=True),
+            Case(small, "float32", 4, tp=2, pp=2, rollout_tp=1),
+            Case("qwen3-45m", "float32", 2, tp=2, rollout_tp=2)]
+
+
+def full_cases() -> List[Case]:
+    cases = [Case("qwen3-20m", "float32", 2, tp=2, rollout_tp=2, logprob_check=True)]
+    cases += _dense_layouts("qwen3-20m", "float32")[1:]
+    # Memory on the 24 GiB CPU machines, where each rank also holds a vLLM copy and a 1 GiB KV
+    # cache: the naive gather keeps the model 3-4 times per rank (pickled, gathered, unpickled,
+    # joined); at 150M and 4 ranks it was OOM-killed (6.3 GB on one rank). 300M runs at 2 ranks.
+    cases += _dense_layouts("qwen3-45m", "float32")
+    cases += _dense_layouts("qwen3-150m", "float32", naive_world=2)
+    cases += _dense_layouts("qwen3-300m", "float32", naive_world=0, max_world=2)
+    for model in ("qwen3-20m", "qwen3-150m"):
+        cases += [Case(model, "bfloat16", 2, tp=2, rollout_tp=2),
+                  Case(model, "bfloat16", 2, tp=2, rollout_tp=1)]
+    moe = "qwen3moe-60m"
+    cases += [Case(moe, "float32", 2, ep=2, rollout_tp=1),
+              Case(moe, "float32", 2, ep=2, rollout_tp=2),
+              Case(moe, "float32", 2, tp=2, ep=2, etp=1, rollout_tp=2),
+              Case(moe, "float32", 4, tp=2, ep=4, etp=1, rollout_tp=2)]
+    return cases
+
+
+# ---------------------------------------------------------------------------------- launcher
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def checkpoint(model: str, root: str) -> str:
+    """The model's random HF checkpoint under root, made once and remade if its spec changed."""
+    from megarl.models.tiny_checkpoint import make_tiny_checkpoint
+
+    family, overrides = MODELS[model]
+    out = os.path.join(root, "models", model)
+    spec_path = os.path.join(out, "bench_spec.json")
+    spec = {"family": family, **overrides}
+    if os.path.isfile(spec_path):
+        with open(spec_path) as f:
+            if json.load(f) == spec:
+                return out
+    log(f"making checkpoint {model} in {out}")
+    make_tiny_checkpoint(family, out, **overrides)
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    return out
+
+
+def run_case(case: Case, hf_dir: str, args) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={case.world}", os.path.abspath(__file__), "--worker",
+           "--hf-dir", hf_dir, "--dtype", case.dtype, "--tp", str(case.tp), "--pp", str(case.pp),
+           "--ep", str(case.ep), "--rollout-tp", str(case.rollout_tp),
+           "--bucket-mb", str(args.bucket_mb), "--repeats", str(args.repeats)]
+    if case.etp is not None:
+        cmd += ["--etp", str(case.etp)]
+    if not case.naive:
+        cmd.append("--no-naive")
+    if case.logprob_check:
+        cmd.append("--logprob-check")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
+    wall = time.perf_counter() - start
+    results = [line[len(RESULT_TAG):] for line in proc.stdout.splitlines()
+               if line.startswith(RESULT_TAG)]
+    if proc.returncode != 0 or not results:
+        tail = (proc.stdout[-2000:] + proc.stderr[-4000:]).strip()
+        log(f"--- {case.name} failed (exit {proc.returncode}) ---\n{tail}")
+        return {"case": case.name, "error": f"worker exited {proc.returncode}",
+                "error_tail": tail[-600:], "case_wall_seconds": round(wall, 1)}
+    return {"case": case.name, **json.loads(results[-1]), "case_wall_seconds": round(wall, 1)}
+
+
+def _fit(points: List[tuple]) -> dict:
+    """Least squares seconds = a + b * GB, and the largest relative residual."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var
+    intercept = mean_y - slope * mean_x
+    deviation = max(abs(y - (intercept + slope * x)) / y for x, y in points)
+    return {"seconds_per_gb": round(slope, 3), "intercept_seconds": round(intercept, 4),
+            "max_relative_deviation": round(deviation, 3),
+            "points_gb_seconds": [[round(x, 4), round(y, 4)] for x, y in points]}
+
+
+def summarize(results: List[dict], cases: List[Case]) -> dict:
+    ok = {r["case"]: r for r in results if "error" not in r}
+    by_name = {c.name: c for c in cases if c.name in ok}
+    series: Dict[str, List[tuple]] = {}
+    for name, case in by_name.items():
+        series.setdefault(case.series, []).append(
+            (ok[name]["model_bytes"] / 1e9, ok[name]["sync_seconds"]))
+    size_scaling = {key: _fit(sorted(points)) for key, points in series.items() if len(points) >= 3}
+    tp_ratios = {"rollout": {}, "training": {}}  # TP2 case -> its time over its TP1 twin's
+    for name, case in by_name.items():
+        for kind, field in (("rollout", "rollout_tp"), ("training", "tp")):
+            twin = replace(case, **{field: 1}).name  # the name leaves out the log-prob check
+            if getattr(case, field) == 2 and twin in ok:
+                tp_ratios[kind][name] = round(ok[name]["sync_seconds"] / ok[twin]["sync_seconds"], 3)
+    all_ratios = [r for ratios in tp_ratios.values() for r in ratios.values()]
+    same_tp = {n: ok[n]["ratio_to_floor"] for n, c in by_name.items()
+               if c.tp == c.rollout_tp and c.pp == 1 and c.ep == 1}
+    at_4 = {n: ok[n]["speedup_over_naive"] for n, c in by_name.items()
+            if c.world == 4 and ok[n].get("speedup_over_naive") is not None}
+    deviations = [s["max_relative_deviation"] for s in size_scaling.values()]
+    # None: no case of this set measures the target.
+    holds = {
+        "within_3x_of_floor_same_tp": max(same_tp.values())
+        <= TARGETS["max_ratio_to_floor_same_tp"] if same_tp else None,
+        "5x_faster_than_naive_at_4_ranks": min(at_4.values())
+        >= TARGETS["min_speedup_over_naive_4_ranks"] if at_4 else None,
+        "linear_in_model_size": max(deviations)
+        <= TARGETS["max_relative_deviation_from_linear"] if deviations else None,
+        "flat_in_tp": max(all_ratios) <= TARGETS["max_tp2_over_tp1"] if all_ratios else None,
+        "peak_within_bucket_plus_largest_tensor": all(r["peak_within_bound"] for r in ok.values())
+        if ok else None,
+    }
+    return {"summary": True, "cases": len(results), "failed": sorted(set(r["case"] for r in results)
+                                                                     - set(ok)),
+            "targets": TARGETS, "holds": holds,
+            "ratio_to_floor_same_tp": same_tp, "speedup_over_naive_4_ranks": at_4,
+            "tp2_over_tp1": tp_ratios, "size_scaling": size_scaling,
+            "seconds_per_gb": {n: round(ok[n]["sync_seconds"] / (ok[n]["model_bytes"] / 1e9), 3)
+                               for n in by_name}}
+
+
+def launch(args) -> int:
+    cases = quick_cases() if args.quick else full_cases()
+    if args.only:
+        cases = [c for c in cases if any(part in c.name for part in args.only)]
+        if not cases:
+            sys.exit(f"--only {args.only} matches no case; cases are: "
+                     f"{[c.name for c in (quick_cases() if args.quick else full_cases())]}")
+    results = []
+    for index, case in enumerate(cases):
+        log(f"[{index + 1}/{len(cases)}] {case.name}")
+        result = run_case(case, checkpoint(case.model, args.out), args)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    print(json.dumps(summarize(results, cases)), flush=True)
+    return 1 if any("error" in r for r in results) else 0
+
+
+# ------------------------------------------------------------------------------------ worker
+
+class TimedEngine:
+    """The engine with the seconds spent in it, so a sync splits into engine and megarl time."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.load_seconds = self.finish_seconds = 0.0
+
+    def begin_weight_update(self) -> None:
+        self.load_seconds = self.finish_seconds = 0.0
+        start = time.perf_counter()
+        self.engine.begin_weight_update()
+        self.load_seconds += time.perf_counter() - start
+
+    def load_weights(self, named_tensors) -> None:
+        start = time.perf_counter()
+        self.engine.load_weights(named_tensors)
+        self.load_seconds += time.perf_counter() - start
+
+    def finish_weight_update(self):
+        start = time.perf_counter()
+        report = self.engine.finish_weight_update()
+        self.finish_seconds = time.perf_counter() - start
+        return report
+
+
+def memcpy_floor(nbytes: int, repeats: int) -> Tuple[float, float]:
+    """Median seconds of one copy of nbytes into a fresh buffer (torch.empty + copy_: page faults
+    included, as a sync that allocates pays them too), and into a buffer already touched (memory
+    bandwidth alone; on the CPU machines 5-8x faster, so it is reported beside the floor)."""
+    import torch
+
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    fresh, warm = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.empty(nbytes, dtype=torch.uint8).copy_(source)
+        fresh.append(time.perf_counter() - start)
+    target = torch.empty(nbytes, dtype=torch.uint8).copy_(source)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        warm.append(time.perf_counter() - start)
+    return statistics.median(fresh), statistics.median(warm)
+
+
+def _timed(fn) -> float:
+    """Seconds of a collective call, from a common start to the last rank's end."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _time_syncs(chunks, arch, engine, bucket_bytes: int, rollout_tp: int, repeats: int) -> dict:
+    """The sync's median over `repeats` after one warm-up, its split, and its last report."""
+    import torch
+    import torch.distributed as dist
+
+    from megarl.resharding import sync_weights
+
+    reports = []
+
+    def sync():
+        report = sync_weights(chunks, arch, engine, bucket_bytes=bucket_bytes,
+                              rollout_tp=rollout_tp)
+        if report.params_synced != report.params_expected:  # check_update raised on names
+            raise RuntimeError(f"sync wrote {report.params_synced} of {report.params_expected} "
+                               f"vLLM parameters")
+        reports.append(report)
+
+    warmup = _timed(sync)
+    syncs, engine_load, engine_finish = [], [], []
+    for _ in range(repeats):
+        syncs.append(_timed(sync))
+        engine_load.append(engine.load_seconds)
+        engine_finish.append(engine.finish_seconds)
+    report = reports[-1]
+    peak = torch.tensor([report.peak_extra_bytes], dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    bound = bucket_bytes + report.largest_tensor_bytes
+    return {
+        "buckets": report.buckets, "tensors_sent": report.tensors_sent,
+        "tensors_local": report.tensors_local,
+        "sync_seconds": round(statistics.median(syncs), 4),
+        "sync_seconds_all": [round(s, 4) for s in syncs], "warmup_seconds": round(warmup, 4),
+        "engine_load_seconds": round(statistics.median(engine_load), 4),
+        "engine_finish_seconds": round(statistics.median(engine_finish), 4),
+        "peak_extra_bytes": int(peak[0]), "largest_tensor_bytes": report.largest_tensor_bytes,
+        "peak_bound_bytes": bound, "peak_within_bound": int(peak[0]) <= bound,
+        "params_synced": report.params_synced, "params_expected": report.params_expected,
+        "model_bytes": report.model_bytes,
+    }
+
+
+def _time_naive(chunks, arch, engine, repeats: int) -> Tuple[float, int]:
+    """Median seconds of the gather-everything reload after one warm-up, and the bytes of the
+    full HF model it holds on every rank."""
+    from megarl.models.hf_io import gather_hf_tensors
+
+    held = []
+
+    def naive_sync():
+        hf = gather_hf_tensors(chunks, arch)
+        held.append(sum(t.numel() * t.element_size() for t in hf.values()))
+        engine.begin_weight_update()
+        engine.load_weights(hf.items())
+        engine.finish_weight_update()
+
+    naive_sync()
+    return statistics.median([_timed(naive_sync) for _ in range(repeats)]), held[-1]
+
+
+def _logprob_diff(chunks, arch, engine, dims) -> float:
+    """Max |vLLM log-prob - actor log-prob| over sampled tokens, as scripts/verify_sync.py."""
+    from megarl.resharding import verify
+
+    prompts = verify.fixed_prompts(arch.vocab_size, 4, seed=0)
+    mine = prompts[engine.data_parallel_rank::engine.data_parallel]
+    samples = verify.all_samples(engine.generate(mine, verify.default_sampling(8, 0)))
+    return verify.actor_logprob_diff(chunks, arch, samples, 2 * dims.tp * dims.cp)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megarl.models.builder import build_model
+    from megarl.models.hf_config import load_arch
+    from megarl.models.hf_io import load_hf_weights
+    from megarl.parallel_state import megatron_groups
+    from megarl.parallel_state.dims import ParallelDims
+    from megarl.resharding import verify
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    world = megatron_groups.init_distributed()
+    dims = ParallelDims(world_size=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    megatron_groups.initialize(dims, seed=0)
+    arch = load_arch(args.hf_dir, dtype=args.dtype)
+    chunks = build_model(arch, dims, perform_initialization=False)
+    load_hf_weights(chunks, arch, args.hf_dir)
+    if args.logprob_check:
+        verify.perturb(chunks, arch, 0.05, seed=0)  # so that only a working sync can match
+    vllm = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, dtype=arch.dtype, max_model_len=128)
+    engine = TimedEngine(vllm)
+    bucket_bytes = int(args.bucket_mb * 2**20)
+
+    result = {"family": arch.family, "dtype": arch.dtype, "layout": dims.describe(),
+              "rollout_tp": args.rollout_tp, "world_size": world, "bucket_bytes": bucket_bytes}
+    result.update(_time_syncs(chunks, arch, engine, bucket_bytes, args.rollout_tp, args.repeats))
+    element = torch.empty(0, dtype=arch.torch_dtype).element_size()
+    result["params"] = result["model_bytes"] // element
+    if args.logprob_check:
+        result["max_abs_logprob_diff"] = _logprob_diff(chunks, arch, vllm, dims)
+
+    floor = torch.zeros(2, dtype=torch.float64)
+    if dist.get_rank() == 0:  # alone: the others wait in the barrier. More repeats: it is cheap.
+        floor[:] = torch.tensor(memcpy_floor(result["model_bytes"], max(9, args.repeats)))
+    dist.broadcast(floor, src=0)
+    result.update(floor_seconds=round(float(floor[0]), 4), floor_threads=torch.get_num_threads(),
+                  memcpy_warm_seconds=round(float(floor[1]), 4),
+                  ratio_to_floor=round(result["sync_seconds"] / float(floor[0]), 2),
+                  naive_seconds=None, naive_extra_bytes=None, speedup_over_naive=None)
+    if args.naive:
+        naive, held = _time_naive(chunks, arch, engine, max(1, args.repeats // 2))
+        result.update(naive_seconds=round(naive, 4), naive_extra_bytes=held,
+                      speedup_over_naive=round(naive / result["sync_seconds"], 2))
+    if dist.get_rank() == 0:
+        print(RESULT_TAG + json.dumps(result), flush=True)
+    vllm.shutdown()
+    megatron_groups.destroy()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small set for `make bench`")
+    parser.add_argument("--only", nargs="+", help="run the cases whose name contains any of these")
+    parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_sync"),
+                        help="where the random checkpoints are kept")
+    parser.add_argument("--bucket-mb", type=float, default=32.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hf-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    for name in ("tp", "pp", "ep", "rollout-tp"):
+        parser.add_argument(f"--{name}", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--etp", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-naive", dest="naive", action="store_false", help=argparse.SUPPRESS)
+    parser.add_argument("--logprob-check", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+    else:
+        sys.exit(launch(args))
+
+
+if __name__ == "__main__":
+    main()
