@@ -59,20 +59,6 @@ def test_incomplete_or_unexpected_metadata_raises(pieces, expected, message):
 
 # The local path (sync_weights(rollout_tp=...)): tensors every rank already holds for its engine.
 
-def _local_piece(rank, name, tp_rank=0, tp_size=1, tp_dim=None, shape=(4, 4)):
-    return Piece(rank=rank, canonical=name, tp_rank=tp_rank, tp_size=tp_size, tp_dim=tp_dim,
-                 glu=False, shape=shape, dtype="torch.float32")
-
-
-def _tp2_layout():
-    pieces = []
-    for rank in range(4):
-        tp_rank = rank % 2
-        pieces.append(_local_piece(rank, "qkv", tp_rank, 2, 0, (8, 4)))
-        pieces.append(_local_piece(rank, "norm", tp_rank, 2, None, (4,)))
-    return tuple(pieces)
-
-
 def test_same_tp_tensors_are_local_and_not_sent():
     plan = build_plan(_tp2_layout(), ("qkv", "norm"), 10**6, 2)
     assert [t.local for t in plan[0].tensors] == [True, True]
@@ -86,8 +72,8 @@ def test_same_tp_tensors_are_local_and_not_sent():
 
 def test_a_tensor_missing_on_one_rank_is_sent():
     # PP2: rank 1 lacks stage 0's tensor; a padded vocabulary shard is never the engine's.
-    pieces = (_local_piece(0, "a"), _local_piece(1, "b"), _local_piece(0, "n"), _local_piece(1, "n"),
-              _local_piece(0, "v", 0, 2, 0), _local_piece(1, "v", 1, 2, 0))
+    pieces = (_piece(0, "a"), _piece(1, "b"), _piece(0, "n"), _piece(1, "n"),
+              _piece(0, "v", 0, 2, 0), _piece(1, "v", 1, 2, 0))
     plan = build_plan(pieces, ("a", "b", "n", "v"), 10**6, 2, frozenset({"v"}))
     assert {t.canonical: t.local for t in plan[0].tensors} == {"a": False, "b": False, "n": True,
                                                              "v": False}
