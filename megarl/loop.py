@@ -144,7 +144,7 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
               PromptSampler(len(prompts.prompts), config.data.prompts_per_step, config.data.seed),
               load_reward_fn(config.algo.reward), run_flops.device_name())
     done = run_checkpoint.load(run, resume_from) if resume_from else 0
-    sync_weights(actor_chunks, arch, engine)
+    sync_weights(actor_chunks, arch, engine, rollout_tp=layout.rollout_tp)
     if rank0:
         resumed = f"; resumed from {resume_from} (step {done})" if resume_from else ""
         print(f"megarl: {len(prompts.prompts)} prompts ({prompts.dropped_too_long} longer than "
@@ -213,7 +213,7 @@ def step(run: Run, number: int):
             critic_metrics = critic.update(batch)
     with timer("sync"):
         engine.resume_memory(kv_cache=False)  # weights only: the training state is still here
-        sync_weights(actor.state.chunks, run.arch, engine)
+        sync_weights(actor.state.chunks, run.arch, engine, rollout_tp=config.layout.rollout_tp)
     phases = run_flops.rl_phases(generated, batch.lengths.tolist(), reference=actor.reference is not None,
                                  critic=critic is not None, actor_epochs=config.actor.batching.epochs,
                                  critic_epochs=config.critic.batching.epochs)

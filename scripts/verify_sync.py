@@ -55,13 +55,15 @@ def main():
 
     before = verify.actor_logprob_diff(
         chunks, arch, verify.all_samples(engine.generate(mine, sampling)), multiple)
-    report = sync_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
+    report = sync_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20),
+                          rollout_tp=args.rollout_tp)
     samples = verify.all_samples(engine.generate(mine, sampling))
     after = verify.actor_logprob_diff(chunks, arch, samples, multiple)
     result = {"layout": dims.describe(), "rollout_tp": args.rollout_tp, "family": arch.family,
               "max_abs_logprob_diff": after, "max_abs_logprob_diff_before_sync": before,
               "params_synced": report.params_synced, "params_expected": report.params_expected,
-              "tensors_sent": report.tensors_sent, "buckets": report.buckets,
+              "tensors_sent": report.tensors_sent,
+              "tensors_local": report.tensors_local, "buckets": report.buckets,
               "sync_seconds": report.sync_seconds, "peak_extra_bytes": report.peak_extra_bytes,
               "model_bytes": report.model_bytes,
               "largest_tensor_bytes": report.largest_tensor_bytes,

@@ -33,6 +33,10 @@ def test_sync_makes_vllm_match_the_actor(case, hf_models):
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["max_abs_logprob_diff_before_sync"] >= 0.05, result
     assert result["params_synced"] == result["params_expected"] > 0, result
+    if world == 1 or (_flag(flags, "--tp") == _flag(flags, "--rollout-tp") and "--pp" not in flags):
+        # Every rank already holds its engine's slice of the dense tensors: they are not sent.
+        # (With PP an engine spans stages, so each tensor is missing from some of its ranks.)
+        assert result["tensors_local"] > 0, result
     if "--bucket-mb" in flags:
         assert result["buckets"] > 3, result
         # Streaming: one bucket in flight -- its receive buffers, joined tensors and HF copies,
@@ -40,6 +44,10 @@ def test_sync_makes_vllm_match_the_actor(case, hf_models):
         in_flight = max(0.25 * 2**20, result["largest_tensor_bytes"])
         assert result["peak_extra_bytes"] <= 3 * in_flight, result
         assert result["peak_extra_bytes"] < result["model_bytes"] / 2, result
+
+
+def _flag(flags, name):
+    return flags[flags.index(name) + 1] if name in flags else None
 
 
 def test_incomplete_update_is_refused(hf_models):
