@@ -133,8 +133,9 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
         critic = Critic(critic_chunks, config.critic)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
-    prompts = load_prompts(config.data.path, tokenizer, config.data.max_prompt_len,
-                           config.data.prompt_key, config.data.answer_key)
+    data = config.data
+    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.prompt_key, data.answer_key,
+                           data.overlong_prompts)
     gen = config.generation
     engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, seed=config.seed,
                         dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,

@@ -9,6 +9,7 @@ from megarl.actor.config import ActorConfig, CriticConfig
 from megarl.algos import pick
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS
 from megarl.algos.kl import KL_ESTIMATORS
+from megarl.rollout.prompts import OVERLONG
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     max_prompt_len: int = 256
+    overlong_prompts: str = "skip"  # prompts over max_prompt_len tokens: "skip" (and count) or "error"
     prompts_per_step: int = 8
     seed: int = 0
 
@@ -48,6 +50,8 @@ class DataConfig:
         if self.prompts_per_step < 1 or self.max_prompt_len < 1:
             raise ValueError(f"data.prompts_per_step={self.prompts_per_step} and data.max_prompt_len="
                              f"{self.max_prompt_len} must be >= 1")
+        if self.overlong_prompts not in OVERLONG:
+            raise ValueError(f"data.overlong_prompts={self.overlong_prompts!r}; choose one of {OVERLONG}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Checks of a whole run before any process starts: the layout against the model, the rollout
-engines against the world and the model, sequence lengths and batch plans against the layout.
+engines against the world and the model, sequence lengths and batch plans against the layout,
+and the prompt data.
 
 Each section of RunConfig validates itself when loaded; what needs two sections or the model's
 config.json is checked here, so a run that cannot work is refused (naming the values and the
@@ -16,6 +17,7 @@ from megarl.actor.passes import mini_batch_rows
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.models.megatron_config import transformer_config
 from megarl.parallel_state.dims import ParallelDims
+from megarl.rollout.prompts import load_prompts
 from megarl.rollout.vllm_engine import rollout_groups
 from megarl.run_config import RunConfig
 
@@ -46,13 +48,24 @@ def _check_batching(batching: BatchingConfig, sequences: int, longest: int, dims
                              f"{error}") from error
 
 
+def _check_data(config: RunConfig) -> None:
+    """The prompt file reads, every record has its fields and a prompt, and the overlong ones are
+    allowed: the same load every rank does later, done once here so a bad file costs no start-up."""
+    import transformers
+
+    data = config.data
+    if not os.path.isfile(data.path):
+        raise FileNotFoundError(f"data.path={data.path!r} does not exist (a .jsonl or .parquet file "
+                                "of prompts)")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
+    load_prompts(data.path, tokenizer, data.max_prompt_len, data.prompt_key, data.answer_key,
+                 data.overlong_prompts)
+
+
 def preflight(config: RunConfig) -> ParallelDims:
     """Raise ValueError/FileNotFoundError naming the values if `config` cannot run; returns the
     validated layout."""
     arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
-    if not os.path.isfile(config.data.path):
-        raise FileNotFoundError(f"data.path={config.data.path!r} does not exist (a .jsonl or .parquet "
-                                "file of prompts)")
     layout = config.layout
     dims = ParallelDims(world_size=layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
                         ep=layout.ep, etp=layout.etp, vpp=layout.vpp)
@@ -66,4 +79,5 @@ def preflight(config: RunConfig) -> ParallelDims:
     _check_batching(config.actor.batching, sequences, longest, dims, "actor")
     if config.algo.uses_critic:
         _check_batching(config.critic.batching, sequences, longest, dims, "critic")
+    _check_data(config)
     return dims

@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny HF checkpoints of every family and variant, made once per session,
-and their Megatron conversions (made with the user-facing converter script)."""
+"""Shared fixtures, made once per session: tiny HF checkpoints of every family and variant, their
+Megatron conversions (made with the user-facing converter script), and the demo's inputs."""
 
 import os
 
@@ -32,3 +32,11 @@ def megatron_models(hf_models, tmp_path_factory):
             nproc=2 if name in TWO_RANK_CONVERSION else 1)
         assert os.path.isfile(os.path.join(out[name], "megarl_model.json"))
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_inputs(tmp_path_factory):
+    """The demo task's prompts (train.jsonl), model (model/) and its Megatron conversion (megatron/)."""
+    root = tmp_path_factory.mktemp("demo_inputs")
+    run("scripts/prepare_demo.py", "--out", str(root), "--prompts", "200")
+    return root

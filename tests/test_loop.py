@@ -17,13 +17,6 @@ from tests.launch import ROOT, run
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 
 
-@pytest.fixture(scope="module")
-def demo_inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("demo_inputs")
-    run("scripts/prepare_demo.py", "--out", str(root), "--prompts", "200")
-    return root
-
-
 def _steps(run_dir):
     with open(run_dir / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -142,10 +135,15 @@ def test_killed_run_resumes_exactly_and_exports_hf(demo_inputs, tmp_path):
     ("layout.rollout_tp=3", r"rollout tp 3 must divide the world size 2"),
     ("actor.batching.mini_batch_size=5", r"128 sequences is not divisible by mini_batch_size=5"),
     ("generation.max_new_tokens=1000", r"= 1032 exceeds the model's max_position_embeddings 256"),
+    ("data.overlong_prompts=truncate",
+     r"data.overlong_prompts='truncate'; choose one of \('skip', 'error'\)"),
+    ("data.overlong_prompts=error data.max_prompt_len=8",
+     r"train.jsonl record 0 is \d+ tokens, over data.max_prompt_len=8; raise data.max_prompt_len"),
 ])
 def test_impossible_run_is_refused_before_anything_starts(demo_inputs, tmp_path, override, message):
     run_dir = tmp_path / "run"
-    proc = run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, override), check=False, timeout=120)
+    proc = run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, *override.split()), check=False,
+               timeout=120)
     assert proc.returncode != 0
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
     assert "ray" not in proc.stderr.lower() and not run_dir.exists()

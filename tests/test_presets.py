@@ -11,6 +11,7 @@ import pytest
 
 from megarl.models.hf_config import load_arch
 from megarl.parallel_state.dims import ParallelDims
+from megarl.rollout.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.rollout.vllm_engine import rollout_groups
 from megarl.run_config import RunConfig
 from megarl.run_preflight import preflight
@@ -27,8 +28,10 @@ def load_preset(name: str, tmp_path, *overrides: str):
     hf_dir = tmp_path / "model"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps(PRESETS[name]))
+    records = arithmetic_records(50, max_operand=9, seed=0)
+    train_tokenizer(records, str(hf_dir))  # preflight reads the prompts with the model's tokenizer
     data = tmp_path / "prompts.jsonl"
-    data.write_text(json.dumps({"prompt": "1 + 1 =", "answer": "2"}) + "\n")
+    write_jsonl(records, str(data))
     config = load(RunConfig, os.path.join(CONFIGS, name),
                   [f"model.hf_dir={hf_dir}", f"data.path={data}", *overrides])
     return config, load_arch(str(hf_dir))

@@ -1,5 +1,8 @@
 """Prompt data with the demo's real sentencepiece tokenizer: JSONL and Parquet, chat template,
-length filtering, and a seeded sampler that resumes exactly."""
+length filtering (skip or refuse), bad records and truncated files refused naming where, and a
+seeded sampler that resumes exactly."""
+
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -65,3 +68,55 @@ def test_sampler_is_seeded_and_resumes_exactly():
     assert PromptSampler(10, 4, seed=4).next_batch() != batches[0]
     with pytest.raises(ValueError, match="seed 3, this run uses 5"):
         PromptSampler(10, 4, seed=5).load_state_dict(state)
+
+
+def _jsonl(path, records, tail: str = ""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return str(path)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"prompt": "", "answer": "1"}, r"record 2: 'prompt' is '', not a non-empty string"),
+    ({"prompt": "   ", "answer": "1"}, r"record 2: 'prompt' is '   '"),
+    ({"question": "1 + 1", "answer": "2"}, r"record 2: 'prompt' is None.*data.prompt_key"),
+    ({"messages": [], "answer": "1"}, r"record 2: 'messages' holds no text"),
+    ({"prompt": "1 + 1"}, r"record 2 has no 'answer' field \(keys \['prompt'\]\); set data.answer_key"),
+])
+def test_bad_records_are_refused_naming_the_record(task, tmp_path, bad, message):
+    _, records, tokenizer = task
+    path = _jsonl(tmp_path / "bad.jsonl", [*records[:2], bad, *records[2:5]])
+    with pytest.raises(ValueError, match=message):
+        load_prompts(path, tokenizer, 64)
+
+
+def test_overlong_prompts_are_skipped_and_counted_or_refused(task, tmp_path):
+    _, records, tokenizer = task
+    long = {"prompt": " ".join(["12 + 34"] * 40), "answer": "46"}
+    path = _jsonl(tmp_path / "long.jsonl", [records[0], long, records[1], long])
+    skipped = load_prompts(path, tokenizer, 64)
+    assert [p.answer for p in skipped.prompts] == [records[0]["answer"], records[1]["answer"]]
+    assert skipped.dropped_too_long == 2
+    with pytest.raises(ValueError, match=r"record 1 is \d+ tokens, over data.max_prompt_len=64; raise "
+                                         r"data.max_prompt_len or set data.overlong_prompts=skip"):
+        load_prompts(path, tokenizer, 64, overlong="error")
+    with pytest.raises(ValueError, match=r"all 2 are longer"):
+        load_prompts(_jsonl(tmp_path / "only_long.jsonl", [long, long]), tokenizer, 64)
+
+
+def test_truncated_and_empty_files_are_refused(task, tmp_path):
+    root, records, tokenizer = task
+    cut = _jsonl(tmp_path / "cut.jsonl", records[:3], tail='{"prompt": "What is 1')
+    with pytest.raises(ValueError, match=r"cut.jsonl line 4 is not valid JSON .*truncated"):
+        load_prompts(cut, tokenizer, 64)
+    with pytest.raises(ValueError, match=r"line 1 is a JSON list"):
+        load_prompts(_jsonl(tmp_path / "list.jsonl", [[1, 2]]), tokenizer, 64)
+    with pytest.raises(ValueError, match=r"holds no records"):
+        load_prompts(_jsonl(tmp_path / "empty.jsonl", []), tokenizer, 64)
+    whole = tmp_path / "whole.parquet"
+    pq.write_table(pa.Table.from_pylist(records), str(whole))
+    data = whole.read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut.parquet is not a readable Parquet file .*truncated"):
+        load_prompts(str(tmp_path / "cut.parquet"), tokenizer, 64)
+    with pytest.raises(FileNotFoundError, match=r"missing.jsonl' does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"), tokenizer, 64)
