@@ -11,7 +11,7 @@ Does not own the loop (loop.py).
 
 import os
 import socket
-from typing import Optional
+from typing import Optional, Tuple
 
 from megarl.run_config import RunConfig
 
@@ -25,6 +25,13 @@ class _Worker:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def address(self) -> Tuple[str, int]:
+        """This node's IP and a port free on it: rank 0 serves torch.distributed's store, and
+        with several nodes the driver's node need not be rank 0's."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
 
     def train(self, config: RunConfig, resume: Optional[str]) -> dict:
         from megarl.loop import train
@@ -82,8 +89,7 @@ def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optiona
         runtime_env={"env_vars": env}).remote() for i in range(world)]
     try:
         nodes = ray.get([w.node.remote() for w in workers])
-        master = ray.util.get_node_ip_address()
-        port = _free_port()
+        master, port = ray.get(workers[0].address.remote())
         local_ranks = [nodes[:rank].count(node) for rank, node in enumerate(nodes)]
         ray.get([w.setup.remote(rank, world, local_ranks[rank], master, port)
                  for rank, w in enumerate(workers)])
