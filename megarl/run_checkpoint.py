@@ -125,7 +125,10 @@ def save(run, step: int, keep: int) -> str:
                        "critic": run.critic is not None, "sampler": run.sampler.state_dict()}, f, indent=2)
         os.rename(partial, final)
         for old in complete_checkpoints(config.run_dir)[:-keep]:
-            shutil.rmtree(old)
+            # Renamed before deleting: a kill mid-delete leaves a .partial, not a half-deleted
+            # checkpoint that still looks complete.
+            os.rename(old, old + ".partial")
+            shutil.rmtree(old + ".partial")
     dist.barrier()
     return final
 
@@ -148,6 +151,8 @@ def read_trainer_file(path: str, config: RunConfig, hf_config: dict) -> dict:
     with open(os.path.join(path, TRAINER_FILE)) as f:
         saved = json.load(f)
     model_checkpoint.require_model(os.path.join(path, "actor"), hf_config, config.model.hf_dir)
+    for role in ("actor", "critic") if saved["critic"] else ("actor",):
+        model_checkpoint.check_files(os.path.join(path, role))
     if saved["layout"] != asdict(config.layout):
         raise ValueError(f"checkpoint {path} was saved at layout {saved['layout']}, this run uses "
                          f"{asdict(config.layout)}; optimizer states resume at the same layout only "
@@ -165,7 +170,11 @@ def load(run, path: str) -> int:
     model_checkpoint.load(run.actor.state.chunks, os.path.join(path, "actor"))
     if run.critic is not None:
         model_checkpoint.load(run.critic.state.chunks, os.path.join(path, "critic"))
-    state = torch.load(_rank_file(path), weights_only=False)
+    try:
+        state = torch.load(_rank_file(path), weights_only=False)
+    except (OSError, RuntimeError, EOFError) as error:  # missing, or truncated ("central directory")
+        raise ValueError(f"checkpoint {path}: this rank's training state {_rank_file(path)} is missing or "
+                         f"unreadable ({error}); resume from an older checkpoint") from error
     _load_train_state(run.actor.state, state["actor"])
     if run.critic is not None:
         _load_train_state(run.critic.state, state["critic"])

@@ -66,9 +66,33 @@ def require_model(ckpt_dir: str, hf_config: Dict, source: str) -> None:
                          f"{hf_config.get(differ[0])!r}); use the checkpoint made from that model")
 
 
+def check_files(ckpt_dir: str) -> None:
+    """Every byte range the checkpoint's index (.metadata) names lies in a shard file that exists:
+    a missing or truncated shard is refused by name before any rank loads (the loader would fail
+    on some ranks only, with a bare I/O or unpickling error, while the others wait)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(ckpt_dir).read_metadata().storage_data
+    except (OSError, EOFError, RuntimeError, ValueError) as error:
+        raise ValueError(f"Megatron checkpoint {ckpt_dir!r}: its index .metadata is missing or unreadable "
+                         f"({type(error).__name__}); copy the checkpoint again or use another one") from error
+    ends: Dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(ckpt_dir, name)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size is None or size < end:
+            found = "is missing" if size is None else f"has {size} bytes of the {end} its index names"
+            raise ValueError(f"Megatron checkpoint {ckpt_dir!r} is incomplete: shard {name} {found}; "
+                             "copy the checkpoint again or use another one")
+
+
 def load(chunks: List[torch.nn.Module], ckpt_dir: str) -> None:
     """Collective: load the checkpoint into this rank's shards at the current layout."""
     read_model_file(ckpt_dir)
+    check_files(ckpt_dir)
     state = dist_checkpointing.load(_sharded_state_dict(chunks), ckpt_dir)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state[f"chunk{i}"], strict=True)

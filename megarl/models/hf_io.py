@@ -13,7 +13,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch
@@ -46,8 +46,15 @@ class SafetensorsReader:
 
     def _open(self, filename: str):
         if filename not in self._files:
-            self._files[filename] = self._stack.enter_context(
-                safe_open(os.path.join(self._dir, filename), framework="pt"))
+            path = os.path.join(self._dir, filename)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"HF checkpoint {self._dir!r}: shard {filename} (listed in "
+                                        "model.safetensors.index.json) is missing; copy it again")
+            try:
+                self._files[filename] = self._stack.enter_context(safe_open(path, framework="pt"))
+            except SafetensorError as error:  # e.g. a truncated copy: the header promises more bytes
+                raise ValueError(f"HF checkpoint {self._dir!r}: {filename} is not a readable safetensors "
+                                 f"file ({error}); a truncated or partial copy? Copy it again") from error
         return self._files[filename]
 
     def names(self) -> List[str]:
