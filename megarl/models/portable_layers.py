@@ -107,6 +107,8 @@ class PortableCoreAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q_padded
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
+            if cp_size == 1:
+                return self._per_sequence(query[:, 0], key[:, 0], value[:, 0], cu.tolist())
             q_seg, q_pos = packed_positions(cu, cp_rank, cp_size)
             k_seg, k_pos = (torch.cat(parts) for parts in zip(
                 *[packed_positions(cu, r, cp_size) for r in range(cp_size)]))
@@ -127,6 +129,23 @@ class PortableCoreAttention(MegatronModule):
         sq, b = query.shape[0], query.shape[1]
         out = out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, nq/tp * d]
         return out[:, 0] if packed else out
+
+    def _per_sequence(self, query, key, value, bounds):
+        """Causal attention within each packed sequence (query [t, nq, d]; key, value [t, nkv, d]):
+        sum(n_i^2) work like varlen flash attention, not the t^2 of one block-diagonal mask,
+        which made packing cost as much attention as padding."""
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            q = query[start:end].transpose(0, 1)[None]  # [1, nq, n, d]
+            k = key[start:end].transpose(0, 1)[None].repeat_interleave(self.heads_per_group, dim=1)
+            v = value[start:end].transpose(0, 1)[None].repeat_interleave(self.heads_per_group, dim=1)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                scale=self.softmax_scale)[0].transpose(0, 1))  # [n, nq, d]
+        out = torch.cat(outs)
+        return out.reshape(out.shape[0], -1)  # [t, nq/tp * d]
 
 
 def packed_positions(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int):
