@@ -31,3 +31,32 @@ def last_json(proc: subprocess.CompletedProcess) -> dict:
     if not lines:
         raise AssertionError(f"no JSON line in output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def ray_pids() -> set:
+    """Process ids of Ray's live daemons and workers on this machine (zombies are dead: they wait
+    for a parent that reaps, which a container's PID 1 may never do)."""
+    import psutil
+
+    found = set()
+    for process in psutil.process_iter(["cmdline", "name", "status"]):
+        text = " ".join(process.info["cmdline"] or [process.info["name"] or ""])
+        if process.info["status"] != psutil.STATUS_ZOMBIE and any(
+                key in text for key in ("raylet", "gcs_server", "ray::")):
+            found.add(process.pid)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it at once, as a node failure or the OOM killer
+    would. torchrun starts each rank in a session of its own, so killing torchrun's process
+    group would leave the ranks running."""
+    import psutil
+
+    parent = psutil.Process(proc.pid)
+    for process in [*parent.children(recursive=True), parent]:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from tests.launch import ROOT, run
+from tests.launch import ROOT, kill_tree, ray_pids, run
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 
@@ -111,8 +112,7 @@ def test_killed_run_resumes_exactly_and_exports_hf(demo_inputs, tmp_path):
     while not (killed / "checkpoints" / "step_000003" / "trainer.json").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its step-3 checkpoint"
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_tree(proc)
     out = run("scripts/train_ppo_moe.py", *_args(demo_inputs, killed, *args), "--resume", "auto",
               nproc=2, timeout=900)
     assert "resumed from" in out.stdout + out.stderr
@@ -180,3 +180,77 @@ def test_killed_ray_worker_stops_the_driver_and_the_run_resumes(demo_inputs, tmp
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {newest.group(2)} (step {step})" in resumed.stdout + resumed.stderr
     assert [s["step"] for s in _steps(run_dir)] == list(range(1, step + 2))
+
+
+def _complete_steps(checkpoints) -> list:
+    return sorted(int(n[5:]) for n in os.listdir(checkpoints) if re.fullmatch(r"step_\d{6}", n)) \
+        if checkpoints.is_dir() else []
+
+
+def test_kill_during_checkpoint_save_keeps_the_previous_one(demo_inputs, tmp_path):
+    """kill -9 of the whole trainer (torchrun and both ranks) while a checkpoint is being written:
+    the previous checkpoint stays complete and --resume auto continues from it; the next save
+    clears the killed one's .partial."""
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "scripts/train_ppo_moe.py"),
+           *_args(demo_inputs, run_dir, "checkpoint.every=1", "checkpoint.keep=2")]
+    cmd[cmd.index("steps=2")] = "steps=40"
+    for _ in range(3):  # a save can win the race against the poll; then try again
+        shutil.rmtree(run_dir, ignore_errors=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline, partial = time.time() + 600, None
+        while partial is None:
+            assert proc.poll() is None and time.time() < deadline, "the run ended before a second save"
+            done = _complete_steps(checkpoints)
+            # A save in progress: step_N.partial after at least one complete checkpoint (not an
+            # old checkpoint renamed to be deleted, which is older than the newest).
+            partial = next((n for n in os.listdir(checkpoints) if n.endswith(".partial")
+                            and done and int(n[5:11]) > done[-1]), None) if done else None
+            time.sleep(0.005)
+        kill_tree(proc)
+        if (checkpoints / partial).exists():
+            break
+    else:
+        pytest.fail("no kill landed inside a checkpoint save in 3 runs")
+    killed = int(partial[5:11])
+    assert not (checkpoints / partial.removesuffix(".partial")).exists()
+    assert _complete_steps(checkpoints)[-1] == killed - 1
+
+    cmd[cmd.index("steps=40")] = f"steps={killed}"
+    resumed = subprocess.run([*cmd, "--resume", "auto"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    previous = checkpoints / f"step_{killed - 1:06d}"
+    assert f"resumed from {previous} (step {killed - 1})" in resumed.stdout + resumed.stderr
+    assert [s["step"] for s in _steps(run_dir)] == list(range(1, killed + 1))
+    assert sorted(os.listdir(checkpoints)) == [f"step_{killed - 1:06d}", f"step_{killed:06d}"]
+
+
+
+def test_killed_driver_does_not_break_the_next_run(demo_inputs, tmp_path):
+    """kill -9 of the Ray driver alone (an OOM kill, a lost login shell): the next run, started at
+    once while the dead run's Ray processes may still be exiting, works; and those processes
+    (GCS, raylet, agents, workers) do end."""
+    before = ray_pids()
+    first = tmp_path / "first"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts/train_ppo_moe.py"), *_args(demo_inputs, first)]
+    cmd[cmd.index("steps=2")] = "steps=40"
+    driver = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not (first / "metrics.jsonl").exists():
+        assert driver.poll() is None and time.time() < deadline, "the run ended before its first step"
+        time.sleep(0.2)
+    dead_run = ray_pids() - before
+    assert len(dead_run) >= 3  # GCS, raylet and the workers
+    driver.kill()
+    driver.wait()
+    run("scripts/train_ppo_moe.py", *_args(demo_inputs, tmp_path / "second", "steps=1"), timeout=900)
+    assert [s["step"] for s in _steps(tmp_path / "second")] == [1]
+    # Ray's per-node agents notice their raylet's death slowly (about a minute and a half here).
+    deadline = time.time() + 180
+    while dead_run & ray_pids():
+        assert time.time() < deadline, f"Ray processes outlived their driver: {dead_run & ray_pids()}"
+        time.sleep(1)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests import slurm_cluster
-from tests.launch import ROOT, run
+from tests.launch import ROOT, ray_pids, run
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +23,15 @@ def slurm(tmp_path_factory):
         yield {**env, "MEGARL_PYTHON": sys.executable}
 
 
-def _ray_pids() -> set:
-    return set(subprocess.run(["pgrep", "-f", "raylet|gcs_server|ray::"], capture_output=True,
-                              text=True).stdout.split())
-
 
 def _sbatch(env, log, script, *args, timeout=900):
     """Submit, wait for the job to end; its exit code and its whole output (sbatch's and the job's)."""
-    before = _ray_pids()
+    before = ray_pids()
     proc = subprocess.run(["sbatch", "--wait", f"--output={log}", script, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     output = open(log).read() if os.path.exists(log) else ""
     # However the job ended, it must not leave Ray daemons or workers behind.
-    assert _ray_pids() <= before, f"Ray processes left by the job: {_ray_pids() - before}\n{output[-3000:]}"
+    assert ray_pids() <= before, f"Ray processes left by the job: {ray_pids() - before}\n{output[-3000:]}"
     return proc.returncode, f"{proc.stdout}{proc.stderr}\n--- job output ---\n{output}"
 
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.launch import last_json, run
+from tests.launch import kill_tree, last_json, run
 
 CASES = {
     # name: (world size, model, flags)
@@ -77,7 +77,6 @@ def test_stale_shared_memory_segments_are_removed(tmp_path):
 def test_a_killed_run_does_not_break_the_next(hf_models):
     """kill -9 during a rollout-TP2 run leaves vLLM's CPU shared-memory segments behind; the
     next run must clean them up instead of failing with errno 17."""
-    import signal
     import subprocess
     import sys
     import time
@@ -94,8 +93,7 @@ def test_a_killed_run_does_not_break_the_next(hf_models):
     while time.time() < deadline and not any(
             "cpushm" in name for name in os.listdir(vllm_cpu_fixes.SHM_DIR)):
         time.sleep(0.5)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    kill_tree(victim)
     time.sleep(1)
     assert any("cpushm" in name for name in os.listdir(vllm_cpu_fixes.SHM_DIR))
     result = last_json(run("scripts/verify_sync.py", *args, nproc=2, timeout=900))
