@@ -35,10 +35,10 @@ lint: install
 # Every benchmark at its quick size, one JSON object per case on stdout (results and commands:
 # docs/PERFORMANCE.md). Serial on purpose: they time things, and this machine has 2 cores.
 bench: install
-	$(BIN)/python bench/bench_sync.py --quick
-	$(BIN)/python bench/bench_rollout.py --quick
-	$(BIN)/python bench/bench_train.py --quick
-	$(BIN)/python bench/bench_step.py --quick
+	@$(BIN)/python bench/bench_sync.py --quick
+	@$(BIN)/python bench/bench_rollout.py --quick
+	@$(BIN)/python bench/bench_train.py --quick
+	@$(BIN)/python bench/bench_step.py --quick
 
 # Until the trainer lands: make a tiny Qwen3-MoE, convert it with 2 ranks, check it against HF
 # transformers at TP2 x EP2 (log-probs, loss, gradients), export it back and check bit-exactness,
