@@ -10,7 +10,6 @@ Does not own the loop (loop.py).
 """
 
 import os
-import socket
 from typing import Optional, Tuple
 
 from megarl.run_config import RunConfig
@@ -31,18 +30,14 @@ class _Worker:
         with several nodes the driver's node need not be rank 0's."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        from megarl.parallel_state.megatron_groups import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
 
     def train(self, config: RunConfig, resume: Optional[str]) -> dict:
         from megarl.loop import train
 
         return train(config, resume)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _results(ray, refs: list, run_dir: str) -> dict:

@@ -12,6 +12,8 @@ import subprocess
 import time
 from typing import Iterator, Optional
 
+from megarl.parallel_state.megatron_groups import free_port
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 PROGRAMS = ("slurmctld", "slurmd", "sbatch", "munged")
 
@@ -39,12 +41,6 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _config(root: str, munge_socket: str) -> str:
     node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout
     node_line = node.splitlines()[0]  # NodeName=... CPUs=... RealMemory=... as slurmd sees them
@@ -56,7 +52,7 @@ def _config(root: str, munge_socket: str) -> str:
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "ReturnToService=2",
         "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
-        f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
         f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
         f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
         f"SlurmctldLogFile={root}/slurmctld.log", f"SlurmdLogFile={root}/slurmd.log",

@@ -28,7 +28,7 @@ def init_distributed(timeout_s: float = 600.0) -> int:
             # A single process started without a launcher is a world of one.
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get(
-                                  "MASTER_PORT", str(_free_port())))
+                                  "MASTER_PORT", str(free_port())))
         dist.init_process_group(backend=backend(),
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_world_size()
@@ -72,11 +72,13 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on every interface of this machine (a store served to other nodes binds
+    them all)."""
     import socket
 
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]
 
 
