@@ -106,8 +106,7 @@ def test_killed_run_resumes_exactly_and_exports_hf(demo_inputs, tmp_path):
     killed = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "scripts/train_ppo_moe.py"), *_args(demo_inputs, killed, *args)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "step_000003" / "trainer.json").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its step-3 checkpoint"
@@ -199,16 +198,15 @@ def test_kill_during_checkpoint_save_keeps_the_previous_one(demo_inputs, tmp_pat
     cmd[cmd.index("steps=2")] = "steps=40"
     for _ in range(3):  # a save can win the race against the poll; then try again
         shutil.rmtree(run_dir, ignore_errors=True)
-        proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline, partial = time.time() + 600, None
         while partial is None:
             assert proc.poll() is None and time.time() < deadline, "the run ended before a second save"
             done = _complete_steps(checkpoints)
-            # A save in progress: step_N.partial after at least one complete checkpoint (not an
-            # old checkpoint renamed to be deleted, which is older than the newest).
-            partial = next((n for n in os.listdir(checkpoints) if n.endswith(".partial")
-                            and done and int(n[5:11]) > done[-1]), None) if done else None
+            if done:  # a save in progress: step_N.partial newer than the newest complete checkpoint
+                # (an old checkpoint renamed to be deleted is older)
+                partial = next((n for n in os.listdir(checkpoints)
+                                if n.endswith(".partial") and int(n[5:11]) > done[-1]), None)
             time.sleep(0.005)
         kill_tree(proc)
         if (checkpoints / partial).exists():
@@ -227,7 +225,6 @@ def test_kill_during_checkpoint_save_keeps_the_previous_one(demo_inputs, tmp_pat
     assert f"resumed from {previous} (step {killed - 1})" in resumed.stdout + resumed.stderr
     assert [s["step"] for s in _steps(run_dir)] == list(range(1, killed + 1))
     assert sorted(os.listdir(checkpoints)) == [f"step_{killed - 1:06d}", f"step_{killed:06d}"]
-
 
 
 def test_killed_driver_does_not_break_the_next_run(demo_inputs, tmp_path):

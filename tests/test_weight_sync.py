@@ -88,7 +88,7 @@ def test_a_killed_run_does_not_break_the_next(hf_models):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "scripts/verify_sync.py", *args],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and not any(
             "cpushm" in name for name in os.listdir(vllm_cpu_fixes.SHM_DIR)):
