@@ -15,9 +15,9 @@ import torch
 from megarl import run_checkpoint, run_flops
 from megarl.actor.actor import Actor
 from megarl.actor.offload import generation_memory
-from megarl.algos.advantages import ADVANTAGE_ESTIMATORS
-from megarl.algos.kl import KL_ESTIMATORS
-from megarl.algos.shaping import informative_groups, overlong_penalty
+from megarl.algos.advantage_step import advantage_step
+from megarl.algos.kl import kl
+from megarl.algos.shaping import informative_groups
 from megarl.critic.critic import Critic
 from megarl.models import checkpoint
 from megarl.models.builder import build_model
@@ -38,22 +38,14 @@ from megarl.run_plots import plot_run
 
 
 def with_advantages(batch, algo: AlgoConfig, max_new_tokens: int):
-    """Token rewards (sequence reward on the last response token, DAPO overlong shaping, KL
-    penalty) -> the configured estimator's advantages and returns."""
-    mask = batch.loss_mask
-    last = (mask * torch.arange(batch.width)).argmax(1)  # [N] last response token
-    seq_rewards = batch.rewards.clone()
-    if algo.overlong_buffer:
-        seq_rewards += overlong_penalty(mask.sum(1), max_new_tokens, algo.overlong_buffer,
-                                        algo.overlong_penalty)
-    token_rewards = torch.zeros_like(mask)
-    token_rewards[torch.arange(batch.size), last] = seq_rewards
-    if algo.kl_reward_coeff:
-        kl = KL_ESTIMATORS[algo.kl_estimator](batch.old_logprobs, batch.ref_logprobs) * mask
-        token_rewards = token_rewards - algo.kl_reward_coeff * kl
-    advantages, returns = ADVANTAGE_ESTIMATORS[algo.advantage](
-        token_rewards=token_rewards, seq_rewards=seq_rewards, values=batch.values, mask=mask,
-        group_ids=batch.group_ids, gamma=algo.gamma, lam=algo.lam, eps=algo.eps)
+    """The batch with the configured estimator's advantages and returns (algos/advantage_step)."""
+    advantages, returns = advantage_step(
+        rewards=batch.rewards, mask=batch.loss_mask, group_ids=batch.group_ids, values=batch.values,
+        logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, estimator=algo.advantage,
+        gamma=algo.gamma, lam=algo.lam, eps=algo.eps, whiten_advantages=algo.whitens,
+        lone_groups=algo.lone_groups, kl_coeff=algo.kl_reward_coeff, kl_estimator=algo.kl_estimator,
+        kl_clamp=algo.kl_clamp, max_response_len=max_new_tokens, overlong_buffer=algo.overlong_buffer,
+        overlong_penalty=algo.overlong_penalty)
     return batch.with_fields(advantages=advantages, returns=returns)
 
 
@@ -70,11 +62,11 @@ def _rollout_mismatch(batch) -> dict:
     return {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
 
 
-def _kl_to_reference(batch, estimator: str) -> dict:
+def _kl_to_reference(batch, algo: AlgoConfig) -> dict:
     if batch.ref_logprobs is None:
         return {}
-    kl = KL_ESTIMATORS[estimator](batch.old_logprobs, batch.ref_logprobs)
-    return {"kl/actor_to_reference": float((kl * batch.loss_mask).sum() / batch.loss_mask.sum())}
+    per_token = kl(batch.old_logprobs, batch.ref_logprobs, algo.kl_estimator, algo.kl_clamp)
+    return {"kl/actor_to_reference": float((per_token * batch.loss_mask).sum() / batch.loss_mask.sum())}
 
 
 @dataclass
@@ -123,14 +115,14 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
 
     actor_chunks = build_model(arch, dims, perform_initialization=False)
     _load(actor_chunks, arch, config, "policy")
-    actor = Actor(actor_chunks, arch, config.actor)
+    actor = Actor(actor_chunks, arch, config.actor_config)
     if config.actor.kl_loss_coeff or config.algo.kl_reward_coeff:
         actor.snapshot_reference()  # the initial weights, also when resuming
     critic = None
     if config.algo.uses_critic:
         critic_chunks = build_model(arch, dims, role="value")
         _load(critic_chunks, arch, config, "value")
-        critic = Critic(critic_chunks, config.critic)
+        critic = Critic(critic_chunks, config.critic_config)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
     data = config.data
@@ -220,7 +212,7 @@ def step(run: Run, number: int):
                                  critic_epochs=config.critic.batching.epochs)
     collected = replace(collected, batch=batch)
     metrics = {**_step_metrics(collected, actor_metrics, critic_metrics, timer),
-               **_kl_to_reference(batch, config.algo.kl_estimator), **sampling_metrics,
+               **_kl_to_reference(batch, config.algo), **sampling_metrics,
                **run_flops.throughput_metrics(run_flops.step_flops(run.arch, phases), timer.seconds,
                                               config.layout.world_size, run.device),
                "memory/offloaded_bytes": offloaded, "memory/peak_bytes": _max_over_ranks(

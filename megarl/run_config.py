@@ -2,12 +2,12 @@
 megarl.typed_config from YAML plus dotted overrides and validated before any process starts.
 Does not own what runs (megarl/loop.py)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from megarl.actor.config import ActorConfig, CriticConfig
 from megarl.algos import pick
-from megarl.algos.advantages import ADVANTAGE_ESTIMATORS
+from megarl.algos.advantages import ADVANTAGE_ESTIMATORS, LONE_GROUPS, WHITENED_BY_DEFAULT
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.rollout.prompts import OVERLONG
 
@@ -74,9 +74,16 @@ class AlgoConfig:
     advantage: str = "grpo"  # gae uses a critic; the others do not build one
     gamma: float = 1.0
     lam: float = 1.0
-    eps: float = 1e-6
-    kl_reward_coeff: float = 0.0  # KL to the reference folded into token rewards
+    eps: float = 1e-6  # added to standard deviations (GRPO's group std, whitening)
+    # Whiten the advantages over the batch's response tokens; None: the estimator's default
+    # (algos.advantages.WHITENED_BY_DEFAULT: gae and the reinforce_plus_plus pair yes, others no).
+    whiten_advantages: Optional[bool] = None
+    lone_groups: str = "zero"  # a prompt with one sample: advantage 0 ("zero") or its reward ("reward", verl)
+    # KL to the reference subtracted from the token rewards; outcome estimators score each
+    # sequence by its reward minus its summed penalty (algos/advantage_step.py)
+    kl_reward_coeff: float = 0.0
     kl_estimator: str = "k1"
+    kl_clamp: Optional[float] = None  # limit per-token KL to [-c, c] (verl: 10 for k3); None: no limit
     reward: str = "math"  # built-in name or module:function
     overlong_buffer: int = 0  # DAPO overlong shaping (0: off)
     overlong_penalty: float = 1.0
@@ -87,6 +94,10 @@ class AlgoConfig:
     def __post_init__(self):
         pick(ADVANTAGE_ESTIMATORS, self.advantage, "algo.advantage")
         pick(KL_ESTIMATORS, self.kl_estimator, "algo.kl_estimator")
+        if self.lone_groups not in LONE_GROUPS:
+            raise ValueError(f"algo.lone_groups={self.lone_groups!r}; choose one of {LONE_GROUPS}")
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ValueError(f"algo.kl_clamp={self.kl_clamp} must be > 0 (or None for no clamp)")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ValueError(f"algo.gamma={self.gamma} and algo.lam={self.lam} must lie in [0, 1]")
         if self.dynamic_sampling_rounds < 0:
@@ -96,6 +107,12 @@ class AlgoConfig:
     @property
     def uses_critic(self) -> bool:
         return self.advantage == "gae"
+
+    @property
+    def whitens(self) -> bool:
+        if self.whiten_advantages is None:
+            return WHITENED_BY_DEFAULT[self.advantage]
+        return self.whiten_advantages
 
 
 @dataclass(frozen=True)
@@ -133,3 +150,13 @@ class RunConfig:
     def __post_init__(self):
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
+
+    # Dr. GRPO's constant is the generation budget unless set: fixed for the run, whatever the
+    # widths of its batches.
+    @property
+    def actor_config(self) -> ActorConfig:
+        return replace(self.actor, norm_tokens=self.actor.norm_tokens or self.generation.max_new_tokens)
+
+    @property
+    def critic_config(self) -> CriticConfig:
+        return replace(self.critic, norm_tokens=self.critic.norm_tokens or self.generation.max_new_tokens)

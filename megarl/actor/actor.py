@@ -13,7 +13,7 @@ import torch
 from megatron.core import parallel_state as mpu
 
 from megarl.actor.batch import RolloutBatch
-from megarl.actor.config import ActorConfig
+from megarl.actor.config import ActorConfig, require_norm_tokens
 from megarl.actor.optimizer import TrainState
 from megarl.actor.packing import PackedMicroBatch, unpack_predictions
 from megarl.actor.passes import global_counts, local_micro_batches, mean_over_steps
@@ -21,7 +21,7 @@ from megarl.actor.reference import ReferenceWeights
 from megarl.actor.router_replay import RoutingReplay
 from megarl.actor.schedule import full_pack, run_micro_batches, share_rows, sum_metrics
 from megarl.algos.aggregation import aggregate
-from megarl.algos.kl import KL_ESTIMATORS
+from megarl.algos.kl import kl as kl_estimate
 from megarl.algos.policy_losses import POLICY_LOSSES, truncated_is_weights
 from megarl.algos.vocab_parallel import logprobs_and_entropy
 from megarl.models.hf_config import ModelArch
@@ -31,6 +31,7 @@ METRICS = ("loss", "policy_loss", "entropy", "kl", "clip_fraction")
 
 class Actor:
     def __init__(self, chunks: List[torch.nn.Module], arch: ModelArch, config: ActorConfig):
+        require_norm_tokens(config.loss_aggregation, config.norm_tokens, "actor")
         self.arch, self.config = arch, config
         chunks[0].config.moe_aux_loss_coeff = 0.0
         self.state = TrainState(chunks, config.optim)
@@ -110,13 +111,13 @@ class Actor:
             mask=mask, eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
             dual_clip=cfg.dual_clip, is_weights=is_weights)
         share = partial(aggregate, mask=mask, **counts)
-        policy_loss = share(per_token, mode=cfg.aggregation)
-        entropy_share = share(entropy, mode=cfg.aggregation)
+        policy_loss = share(per_token, mode=cfg.loss_aggregation)
+        entropy_share = share(entropy, mode=cfg.loss_aggregation)
         loss = policy_loss - cfg.entropy_coeff * entropy_share
         kl = torch.zeros(())
         if cfg.kl_loss_coeff:
-            kl = share(KL_ESTIMATORS[cfg.kl_estimator](
-                logprobs, rows.ref_logprobs[:, :width].to(old.device)), mode=cfg.aggregation)
+            kl = share(kl_estimate(logprobs, rows.ref_logprobs[:, :width].to(old.device), cfg.kl_estimator,
+                                   cfg.kl_clamp), mode=cfg.loss_aggregation)
             loss = loss + cfg.kl_loss_coeff * kl
         metrics = {"loss": loss, "policy_loss": policy_loss, "entropy": entropy_share, "kl": kl,
                    "clip_fraction": share(clipped, mode="token-mean")}
@@ -134,6 +135,7 @@ class Actor:
 
     def _step(self, batch: RolloutBatch, rows: torch.Tensor) -> dict:
         micro_batches = local_micro_batches(batch, rows, self.config.batching)
+        counts = global_counts(batch, rows, self.config.norm_tokens)
         around = None
         if self.replay is not None:
             self.replay.start_replay(batch.routed_experts)
@@ -141,8 +143,7 @@ class Actor:
         try:
             with self._aux_loss_scaled(len(micro_batches)):
                 outputs, grad_norm, lr, skipped = self.state.step(
-                    micro_batches, partial(partial, self._policy_loss, batch, global_counts(batch, rows)),
-                    around)
+                    micro_batches, partial(partial, self._policy_loss, batch, counts), around)
         finally:
             if self.replay is not None:
                 self.replay.stop_replay()

@@ -10,7 +10,25 @@ from megarl.actor.optimizer import OptimConfig
 from megarl.algos import pick
 from megarl.algos.aggregation import AGGREGATIONS
 from megarl.algos.kl import KL_ESTIMATORS
-from megarl.algos.policy_losses import POLICY_LOSSES
+from megarl.algos.policy_losses import DEFAULT_AGGREGATION, POLICY_LOSSES
+
+NORMED = "seq-mean-token-sum-norm"  # the aggregation that needs norm_tokens
+
+
+def _check_aggregation(aggregation: Optional[str], norm_tokens: Optional[int], section: str) -> None:
+    if aggregation is not None:
+        pick(AGGREGATIONS, aggregation, f"{section}.aggregation")
+    if norm_tokens is not None and norm_tokens < 1:
+        raise ValueError(f"{section}.norm_tokens={norm_tokens} must be >= 1 (or None: the generation "
+                         "budget, generation.max_new_tokens, in a run)")
+
+
+def require_norm_tokens(aggregation: str, norm_tokens: Optional[int], section: str) -> None:
+    """Dr. GRPO's aggregation divides by a fixed token budget; refuse to start without one."""
+    if aggregation == NORMED and norm_tokens is None:
+        raise ValueError(f"{section}.aggregation={NORMED!r} divides each sequence's loss sum by a fixed "
+                         f"token count: set {section}.norm_tokens (a run defaults it to "
+                         "generation.max_new_tokens)")
 
 
 @dataclass(frozen=True)
@@ -35,11 +53,14 @@ class ActorConfig:
     policy_loss: str = "ppo"
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2  # > eps_clip_low is "clip-higher" (DAPO)
-    dual_clip: Optional[float] = None
-    aggregation: str = "token-mean"
+    dual_clip: Optional[float] = None  # PPO's dual clip c > 1 (verl: 3); None disables
+    aggregation: Optional[str] = None  # None: the policy loss's own (DEFAULT_AGGREGATION)
+    # Dr. GRPO's constant for "seq-mean-token-sum-norm"; None: generation.max_new_tokens in a run
+    norm_tokens: Optional[int] = None
     entropy_coeff: float = 0.0
     kl_loss_coeff: float = 0.0  # KL to the reference as a loss term (GRPO style); 0 disables
     kl_estimator: str = "k3"
+    kl_clamp: Optional[float] = None  # limit per-token KL to [-c, c] (verl: 10 for k3); None: no limit
     tis_cap: Optional[float] = None  # truncated IS against rollout log-probs; None disables
     router_aux_loss_coeff: float = 0.0
     router_replay: bool = False  # replay routing recorded by the old-logprob pass in the update
@@ -48,23 +69,30 @@ class ActorConfig:
 
     def __post_init__(self):
         pick(POLICY_LOSSES, self.policy_loss, "policy_loss")
-        pick(AGGREGATIONS, self.aggregation, "aggregation")
+        _check_aggregation(self.aggregation, self.norm_tokens, "actor")
         pick(KL_ESTIMATORS, self.kl_estimator, "kl_estimator")
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ValueError(f"actor.kl_clamp={self.kl_clamp} must be > 0 (or None for no clamp)")
         if not 0 <= self.eps_clip_low < 1 or self.eps_clip_high < 0:
             raise ValueError(f"need 0 <= eps_clip_low < 1 and eps_clip_high >= 0, got "
                              f"{self.eps_clip_low}, {self.eps_clip_high}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (or None to disable)")
 
+    @property
+    def loss_aggregation(self) -> str:
+        return self.aggregation or DEFAULT_AGGREGATION[self.policy_loss]
+
 
 @dataclass(frozen=True)
 class CriticConfig:
     value_clip: float = 0.2
     aggregation: str = "token-mean"
+    norm_tokens: Optional[int] = None  # as ActorConfig.norm_tokens
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self):
-        pick(AGGREGATIONS, self.aggregation, "aggregation")
+        _check_aggregation(self.aggregation, self.norm_tokens, "critic")
         if self.value_clip <= 0:
             raise ValueError(f"value_clip={self.value_clip} must be > 0")

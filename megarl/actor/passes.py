@@ -4,7 +4,7 @@ Owns the order of optimizer steps (epochs x mini-batches) and turning a mini-bat
 data-parallel rank's micro-batches at the current layout. Shared by actor and critic.
 """
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 from megatron.core import parallel_state as mpu
@@ -45,9 +45,10 @@ def local_micro_batches(batch: RolloutBatch, rows: torch.Tensor,
             for part in plan[mpu.get_data_parallel_rank()]]
 
 
-def global_counts(batch: RolloutBatch, rows: torch.Tensor) -> dict:
-    """The aggregation constants of the mini-batch `rows`, the same on every rank."""
-    return dict(global_tokens=batch.loss_mask[rows].sum(), global_seqs=len(rows), max_len=batch.width)
+def global_counts(batch: RolloutBatch, rows: torch.Tensor, norm_tokens: Optional[int]) -> dict:
+    """The aggregation constants of the mini-batch `rows`, the same on every rank and, for
+    Dr. GRPO's `norm_tokens` (None where the aggregation needs none), every step."""
+    return dict(global_tokens=batch.loss_mask[rows].sum(), global_seqs=len(rows), max_len=norm_tokens)
 
 
 def mean_over_steps(batch: RolloutBatch, batching: BatchingConfig,

@@ -4,9 +4,11 @@ Owns the estimators k1, k2, k3 (Schulman's naming) and their registry. Does not 
 reducing tokens (aggregation.py), nor whether KL is a reward penalty or a loss term (the caller).
 """
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
+
+from megarl.algos import pick
 
 
 def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T]
@@ -29,6 +31,18 @@ def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:  # [
 KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "k1": k1, "k2": k2, "k3": k3,
 }
+
+
+def kl(logprobs: torch.Tensor,  # [B, T]
+       ref_logprobs: torch.Tensor,  # [B, T]
+       estimator: str, clamp: Optional[float]) -> torch.Tensor:  # [B, T]
+    """The `estimator`'s per-token KL, limited to [-clamp, clamp] when `clamp` is given: k3 grows
+    like exp(log pi_ref - log pi), so one token the policy has nearly ruled out can dominate a
+    batch (verl clamps k3 at 10). None keeps the unbiased estimate."""
+    if clamp is not None and clamp <= 0:
+        raise ValueError(f"KL clamp {clamp} must be > 0 (or None for no clamp)")
+    values = pick(KL_ESTIMATORS, estimator, "KL estimator")(logprobs, ref_logprobs)
+    return values if clamp is None else values.clamp(-clamp, clamp)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...]

@@ -93,3 +93,8 @@ def cispo(*, logprobs: torch.Tensor,  # [B, T]
 
 
 POLICY_LOSSES: Dict[str, Callable[..., Pair]] = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
+
+# The aggregation each loss is defined with, used unless one is chosen: GSPO's objective is a
+# mean over sequences of token means (verl forces it; megarl lets an explicit choice stand).
+DEFAULT_AGGREGATION: Dict[str, str] = {"ppo": "token-mean", "gspo": "seq-mean-token-mean",
+                                       "cispo": "token-mean"}

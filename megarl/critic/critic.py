@@ -11,7 +11,7 @@ import torch
 from megatron.core import parallel_state as mpu
 
 from megarl.actor.batch import RolloutBatch
-from megarl.actor.config import CriticConfig
+from megarl.actor.config import CriticConfig, require_norm_tokens
 from megarl.actor.optimizer import TrainState
 from megarl.actor.packing import PackedMicroBatch, unpack_predictions
 from megarl.actor.passes import global_counts, local_micro_batches, mean_over_steps
@@ -24,6 +24,7 @@ METRICS = ("value_loss", "value_clip_fraction")
 
 class Critic:
     def __init__(self, chunks: List[torch.nn.Module], config: CriticConfig):
+        require_norm_tokens(config.aggregation, config.norm_tokens, "critic")
         self.config = config
         chunks[0].config.moe_aux_loss_coeff = 0.0
         self.state = TrainState(chunks, config.optim)
@@ -70,7 +71,8 @@ class Critic:
 
     def _step(self, batch: RolloutBatch, rows: torch.Tensor) -> dict:
         micro_batches = local_micro_batches(batch, rows, self.config.batching)
+        counts = global_counts(batch, rows, self.config.norm_tokens)
         outputs, grad_norm, lr, skipped = self.state.step(
-            micro_batches, partial(partial, self._value_loss, batch, global_counts(batch, rows)))
+            micro_batches, partial(partial, self._value_loss, batch, counts))
         return {**sum_metrics(outputs, METRICS), "grad_norm": grad_norm, "lr": lr,
                 "skipped": float(skipped)}
