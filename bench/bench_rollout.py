@@ -3,7 +3,7 @@
   python bench/bench_rollout.py [--quick] [--profile]
 
 Builds megarl's VLLMEngine on a tiny random Qwen3 checkpoint whose vocabulary is the demo task's
-sentencepiece tokenizer (megarl/rollout/arithmetic_task.py), then times, interleaved and
+sentencepiece tokenizer (megarl/demo/arithmetic_task.py), then times, interleaved and
 repeated with fixed seeds:
   bare      engine.llm.generate(TokensPrompt..., SamplingParams(..., logprobs=0)), as a vLLM user
             calls it, on the very same LLM object;
@@ -40,8 +40,8 @@ def make_inputs(out_dir: str, prompts: int, seed: int):
     """The demo task's tokenizer and prompts, and a random Qwen3 with that vocabulary."""
     import transformers
 
-    from megarl.models.tiny_checkpoint import make_tiny_checkpoint
-    from megarl.rollout.arithmetic_task import arithmetic_records, train_tokenizer
+    from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer
+    from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
     from megarl.rollout.prompts import Prompt, render
 
     records = arithmetic_records(2000, max_operand=99, seed=seed)
@@ -132,6 +132,7 @@ def main():
     from megarl.parallel_state import megatron_groups
     from megarl.rollout.collect import collect
     from megarl.rollout.engine import SamplingConfig
+    from megarl.rollout.producer import Completion
     from megarl.rollout.rewards import load_reward_fn
     from megarl.rollout.vllm_engine import VLLMEngine
 
@@ -157,8 +158,7 @@ def main():
     paths = {
         "bare": bare,
         "generate": lambda: engine.generate(token_ids, sampling),
-        "collect": lambda: collect(engine, prompts, sampling, tokenizer, reward_fn,
-                                   engines=1, engine_rank=0, tp_rank=0),
+        "collect": lambda: collect(engine, Completion(), prompts, sampling, tokenizer, reward_fn),
     }
 
     def responses(path: str, result):

@@ -132,7 +132,7 @@ def log(message: str) -> None:
 
 def checkpoint(model: str, root: str) -> str:
     """The model's random HF checkpoint under root, made once and remade if its spec changed."""
-    from megarl.models.tiny_checkpoint import make_tiny_checkpoint
+    from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
 
     family, overrides = MODELS[model]
     out = os.path.join(root, "models", model)
@@ -364,10 +364,10 @@ def _time_naive(chunks, arch, engine, repeats: int) -> Tuple[float, int]:
 
 def _logprob_diff(chunks, arch, engine, dims) -> float:
     """Max |vLLM log-prob - actor log-prob| over sampled tokens, as scripts/verify_sync.py."""
-    from megarl.resharding import verify
+    from megarl.checks import weight_sync as verify
 
     prompts = verify.fixed_prompts(arch.vocab_size, 4, seed=0)
-    mine = prompts[engine.data_parallel_rank::engine.data_parallel]
+    mine = [prompts[i] for i in engine.placement.share(len(prompts))]
     samples = verify.all_samples(engine.generate(mine, verify.default_sampling(8, 0)))
     return verify.actor_logprob_diff(chunks, arch, samples, 2 * dims.tp * dims.cp)
 
@@ -376,12 +376,12 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from megarl.checks import weight_sync as verify
     from megarl.models.builder import build_model
     from megarl.models.hf_config import load_arch
     from megarl.models.hf_io import load_hf_weights
     from megarl.parallel_state import megatron_groups
     from megarl.parallel_state.dims import ParallelDims
-    from megarl.resharding import verify
     from megarl.rollout.vllm_engine import VLLMEngine
 
     world = megatron_groups.init_distributed()

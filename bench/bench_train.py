@@ -41,10 +41,10 @@ PACKING_SPEEDUP_TARGET = 1.5
 
 def make_model(args, dims):
     """A random HF checkpoint (written by rank 0), loaded into this rank's Megatron shards."""
+    from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
     from megarl.models.builder import build_model
     from megarl.models.hf_config import arch_from_hf_config
     from megarl.models.hf_io import load_hf_weights
-    from megarl.models.tiny_checkpoint import make_tiny_checkpoint
 
     hidden = args.hidden
     sizes = dict(vocab_size=args.vocab, hidden_size=hidden, num_hidden_layers=args.layers,
@@ -71,7 +71,7 @@ def varied_batch(vocab_size: int, sequences: int, max_len: int, prompt_len: int,
     """A RolloutBatch [N, L] whose lengths are spread evenly over [L/4, L] in a shuffled order
     (the uniform distribution without sampling noise: mean 5L/8, longest L), the same on every
     rank; loss on the tokens after the first `prompt_len`, random advantages."""
-    from megarl.actor.batch import RolloutBatch
+    from megarl.batch.rollout_batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     spread = torch.linspace(max_len / 4, max_len, sequences).round().long()
@@ -205,7 +205,6 @@ def main():
     out = json_stdout()
     torch.set_num_threads(args.threads)
 
-    from megatron.core import parallel_state as mpu
 
     from megarl.actor.actor import Actor
     from megarl.actor.config import ActorConfig, BatchingConfig
@@ -255,7 +254,7 @@ def main():
         profile("megarl update", lambda: actor.update(batch))
 
     # This DP rank's rows, padded: a data-parallel trainer splits rows, then pads each to L_max.
-    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    dp, dp_rank = megatron_groups.data().size, megatron_groups.data().rank
     rows_per_mb = max(budget // batch.width, 1)
     padded = padded_inputs(batch, all_rows[dp_rank::dp], rows_per_mb, device)
 

@@ -5,7 +5,7 @@
 
 import argparse
 
-from megarl.models.tiny_checkpoint import FAMILIES, VARIANTS, make_named
+from megarl.demo.tiny_checkpoint import FAMILIES, VARIANTS, make_named
 
 
 def main():

@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
-from megarl.models.tiny_checkpoint import make_tiny_checkpoint
-from megarl.rollout.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
+from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
+from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
 
 
 def main():
@@ -53,7 +53,7 @@ def warm_start(model_dir: str, tokenizer, records, steps: int, seed: int):
     from megarl.actor.actor import Actor
     from megarl.actor.config import ActorConfig
     from megarl.actor.optimizer import OptimConfig
-    from megarl.actor.sft import sft_batch, sft_step
+    from megarl.demo.sft import sft_batch, sft_step
     from megarl.models.builder import build_model
     from megarl.models.hf_config import arch_from_hf_config
     from megarl.models.hf_io import gather_hf_tensors, load_hf_weights

@@ -6,9 +6,9 @@ every rank runs the loop directly instead."""
 import argparse
 import os
 
-from megarl.run_config import RunConfig
-from megarl.run_preflight import preflight
-from megarl.typed_config import load
+from megarl.trainer.config import RunConfig
+from megarl.trainer.preflight import preflight
+from megarl.trainer.typed_config import load
 
 
 def main():
@@ -23,11 +23,11 @@ def main():
     config = load(RunConfig, args.config, args.overrides)
     preflight(config)  # a run that cannot work is refused before any process starts
     if "RANK" in os.environ:
-        from megarl.loop import train
+        from megarl.trainer.loop import train
 
         train(config, args.resume)
     else:
-        from megarl.launch import launch
+        from megarl.trainer.launch import launch
 
         launch(config, args.ray_address, args.resume)
 

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from megarl.models import parity
+from megarl.checks import parity
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 

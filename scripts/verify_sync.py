@@ -12,12 +12,13 @@ import argparse
 import json
 import sys
 
+from megarl.checks import weight_sync as verify
 from megarl.models.builder import build_model
 from megarl.models.hf_config import load_arch
 from megarl.models.hf_io import load_hf_weights
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
-from megarl.resharding import sync_weights, verify
+from megarl.resharding import sync_weights
 from megarl.rollout.vllm_engine import VLLMEngine
 
 
@@ -49,7 +50,7 @@ def main():
 
     engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, dtype=arch.dtype, seed=args.seed)
     prompts = verify.fixed_prompts(arch.vocab_size, args.prompts, args.seed)
-    mine = prompts[engine.data_parallel_rank::engine.data_parallel]
+    mine = [prompts[i] for i in engine.placement.share(len(prompts))]
     sampling = verify.default_sampling(args.max_new_tokens, args.seed)
     multiple = 2 * dims.tp * dims.cp
 

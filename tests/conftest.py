@@ -16,7 +16,7 @@ TWO_RANK_CONVERSION = {"qwen3_moe", "llama_tied", "qwen2"}
 
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
-    from megarl.models.tiny_checkpoint import make_named
+    from megarl.demo.tiny_checkpoint import make_named
 
     root = tmp_path_factory.mktemp("hf")
     return {name: make_named(name, str(root / name)) for name in MODELS}

@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
-from megarl.actor.batch import RolloutBatch
-from megarl.actor.config import ActorConfig, CriticConfig, require_norm_tokens
+from megarl.actor.config import ActorConfig, require_norm_tokens
 from megarl.actor.passes import global_counts
 from megarl.algos.advantage_step import advantage_step
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS, WHITENED_BY_DEFAULT
-from megarl.loop import with_advantages
-from megarl.run_config import AlgoConfig, DataConfig, GenerationConfig, ModelConfig, RunConfig
+from megarl.batch.rollout_batch import RolloutBatch
+from megarl.critic.config import CriticConfig
+from megarl.trainer.config import AlgoConfig, DataConfig, GenerationConfig, ModelConfig, RunConfig
+from megarl.trainer.loop import with_advantages
 from tests.test_algos_advantages import (
     GROUP_IDS,
     _broadcast,

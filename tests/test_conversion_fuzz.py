@@ -40,7 +40,7 @@ def random_config(seed: int):
 
 @pytest.mark.parametrize("seed", range(CASES))
 def test_random_config_round_trip_is_bit_exact(seed, tmp_path):
-    from megarl.models.tiny_checkpoint import make_tiny_checkpoint
+    from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
 
     family, fields, nproc = random_config(seed)
     hf = make_tiny_checkpoint(family, str(tmp_path / "hf"), seed=seed, **fields)

@@ -4,7 +4,7 @@ fillers, and every per-token field carried with its row."""
 
 import torch
 
-from megarl.actor.batch import RolloutBatch
+from megarl.batch.rollout_batch import RolloutBatch
 from megarl.rollout.collect import Collected, keep_informative
 
 

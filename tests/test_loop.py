@@ -69,6 +69,20 @@ def test_every_estimator_runs_two_steps(demo_inputs, tmp_path, estimator):
     _check_steps(_steps(run_dir), critic=False)
 
 
+def test_a_sample_producer_plugs_into_the_loop(demo_inputs, tmp_path):
+    """generation.producer names a test-only producer (tests/producers.py: completions cut to
+    their first token); the loop trains on exactly its samples, with `step` untouched."""
+    run_dir = tmp_path / "run"
+    producer = "generation.producer=tests.producers:first_token"
+    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, producer, "algo.advantage=grpo",
+                                           "layout.world_size=1", "layout.ep=1"),
+        nproc=1, timeout=900, env={**_one_rank(), "PYTHONPATH": ROOT})
+    steps = _steps(run_dir)
+    _check_steps(steps, critic=False)
+    # The demo's completions are 2-3 tokens; every trained response here is exactly one.
+    assert all(s["response/length_mean"] == 1.0 and s["response/truncated"] == 128 for s in steps)
+
+
 def test_dynamic_sampling_trains_on_informative_groups(demo_inputs, tmp_path):
     run_dir = tmp_path / "run"
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "algo.advantage=grpo",

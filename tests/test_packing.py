@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from megarl.actor.batch import RolloutBatch
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.actor.optimizer import OptimConfig
 from megarl.actor.packing import (
@@ -17,6 +16,7 @@ from megarl.actor.packing import (
     unpack_tokens,
 )
 from megarl.actor.passes import mini_batch_rows
+from megarl.batch.rollout_batch import RolloutBatch
 
 
 def test_balanced_partition_balances_and_covers():

@@ -1,6 +1,6 @@
 """The GPU cluster presets in configs/: each loads as a RunConfig, and its layout, rollout engines
 and batch sizes fit the real model it is for, stood in by the model's published config.json (no
-weights). The checks are the run's own preflight (megarl/run_preflight.py), which the training
+weights). The checks are the run's own preflight (megarl/trainer/preflight.py), which the training
 script applies before any process starts, plus the shape of 8-GPU nodes. Broken overrides are
 refused naming their value."""
 
@@ -9,13 +9,13 @@ import os
 
 import pytest
 
+from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.models.hf_config import load_arch
 from megarl.parallel_state.dims import ParallelDims
-from megarl.rollout.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.rollout.vllm_engine import rollout_groups
-from megarl.run_config import RunConfig
-from megarl.run_preflight import preflight
-from megarl.typed_config import load
+from megarl.trainer.config import RunConfig
+from megarl.trainer.preflight import preflight
+from megarl.trainer.typed_config import load
 from tests.published_configs import MIXTRAL_8X7B, QWEN3_30B_A3B
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")

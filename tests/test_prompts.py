@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import transformers
 
-from megarl.rollout.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
+from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.rollout.prompts import PromptSampler, load_prompts
 from megarl.rollout.rewards import math_verify
 

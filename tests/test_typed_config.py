@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from megarl.actor.config import ActorConfig
-from megarl.typed_config import build, load, to_dict
+from megarl.trainer.typed_config import build, load, to_dict
 
 
 @dataclass(frozen=True)

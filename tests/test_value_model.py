@@ -40,7 +40,7 @@ def _reference_values(hf_dir, tokens):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_values_match_reference(layout, value_checkpoints, tmp_path):
-    from megarl.models.parity import fixed_tokens
+    from megarl.checks.parity import fixed_tokens
 
     name = "qwen3_moe" if layout == "ep2_moe" else "qwen3"
     nproc, flags = LAYOUTS[layout]

@@ -10,9 +10,7 @@ from functools import partial
 from typing import List
 
 import torch
-from megatron.core import parallel_state as mpu
 
-from megarl.actor.batch import RolloutBatch
 from megarl.actor.config import ActorConfig, require_norm_tokens
 from megarl.actor.optimizer import TrainState
 from megarl.actor.packing import PackedMicroBatch, unpack_predictions
@@ -24,7 +22,9 @@ from megarl.algos.aggregation import aggregate
 from megarl.algos.kl import kl as kl_estimate
 from megarl.algos.policy_losses import POLICY_LOSSES, truncated_is_weights
 from megarl.algos.vocab_parallel import logprobs_and_entropy
+from megarl.batch.rollout_batch import RolloutBatch
 from megarl.models.hf_config import ModelArch
+from megarl.parallel_state import megatron_groups
 
 METRICS = ("loss", "policy_loss", "entropy", "kl", "clip_fraction")
 
@@ -47,8 +47,8 @@ class Actor:
 
     def _token_logprobs(self, mb: PackedMicroBatch, output: torch.Tensor):
         """output [1, t/cp, V/tp] -> (log-probs, entropy) [n, W], column i for token i."""
-        tp = mpu.get_tensor_model_parallel_world_size()
-        group = mpu.get_tensor_model_parallel_group() if tp > 1 else None
+        tp = megatron_groups.tensor().size
+        group = megatron_groups.tensor().group if tp > 1 else None
         logprobs, entropy = logprobs_and_entropy(output[0].float(), mb.targets[0].to(output.device),
                                                  group, self.arch.vocab_size)
         both = full_pack(torch.stack([logprobs, entropy], -1), mb)  # [t, 2]
@@ -86,7 +86,7 @@ class Actor:
             if replay:
                 self.replay.stop_replay()
         logprobs = share_rows([o["logprobs"] for o in outputs], micro_batches,
-                              (batch.size, batch.width), torch.float32, _device())
+                              (batch.size, batch.width), torch.float32, megatron_groups.device())
         fields = {"ref_logprobs" if reference else "old_logprobs": logprobs.cpu()}
         if record:
             fields["routed_experts"] = self.replay.finish_recording(micro_batches, batch.size,
@@ -122,7 +122,7 @@ class Actor:
         metrics = {"loss": loss, "policy_loss": policy_loss, "entropy": entropy_share, "kl": kl,
                    "clip_fraction": share(clipped, mode="token-mean")}
         # Every CP rank computes this same loss from the gathered pack; their gradients are summed.
-        cp = mpu.get_context_parallel_world_size()
+        cp = megatron_groups.context().size
         return loss / cp, torch.tensor(1, dtype=torch.int), {k: v.detach() for k, v in metrics.items()}
 
     def update(self, batch: RolloutBatch) -> dict:
@@ -156,7 +156,7 @@ class Actor:
         dividing the coefficient by micro-batches x DP makes it the mean over them."""
         config = self.state.chunks[0].config
         config.moe_aux_loss_coeff = self.config.router_aux_loss_coeff / (
-            micro_batches * mpu.get_data_parallel_world_size())
+            micro_batches * megatron_groups.data().size)
         try:
             yield
         finally:
@@ -172,6 +172,3 @@ class Actor:
                              f"kl_loss_coeff={cfg.kl_loss_coeff}, tis_cap={cfg.tis_cap}, "
                              f"router_replay={cfg.router_replay})")
 
-
-def _device():
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,5 @@
-"""Configuration of an update (actor or critic): loss switches, batching, optimizer.
+"""Configuration of the actor's update (loss switches, batching, optimizer) and the batching and
+aggregation checks the critic's config shares.
 
 Typed and validated when built, before any process group exists; nothing here is derived later.
 """
@@ -15,7 +16,7 @@ from megarl.algos.policy_losses import DEFAULT_AGGREGATION, POLICY_LOSSES
 NORMED = "seq-mean-token-sum-norm"  # the aggregation that needs norm_tokens
 
 
-def _check_aggregation(aggregation: Optional[str], norm_tokens: Optional[int], section: str) -> None:
+def check_aggregation(aggregation: Optional[str], norm_tokens: Optional[int], section: str) -> None:
     if aggregation is not None:
         pick(AGGREGATIONS, aggregation, f"{section}.aggregation")
     if norm_tokens is not None and norm_tokens < 1:
@@ -69,7 +70,7 @@ class ActorConfig:
 
     def __post_init__(self):
         pick(POLICY_LOSSES, self.policy_loss, "policy_loss")
-        _check_aggregation(self.aggregation, self.norm_tokens, "actor")
+        check_aggregation(self.aggregation, self.norm_tokens, "actor")
         pick(KL_ESTIMATORS, self.kl_estimator, "kl_estimator")
         if self.kl_clamp is not None and self.kl_clamp <= 0:
             raise ValueError(f"actor.kl_clamp={self.kl_clamp} must be > 0 (or None for no clamp)")
@@ -82,17 +83,3 @@ class ActorConfig:
     @property
     def loss_aggregation(self) -> str:
         return self.aggregation or DEFAULT_AGGREGATION[self.policy_loss]
-
-
-@dataclass(frozen=True)
-class CriticConfig:
-    value_clip: float = 0.2
-    aggregation: str = "token-mean"
-    norm_tokens: Optional[int] = None  # as ActorConfig.norm_tokens
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-
-    def __post_init__(self):
-        _check_aggregation(self.aggregation, self.norm_tokens, "critic")
-        if self.value_clip <= 0:
-            raise ValueError(f"value_clip={self.value_clip} must be > 0")

@@ -7,11 +7,11 @@ data-parallel rank's micro-batches at the current layout. Shared by actor and cr
 from typing import Callable, Dict, List, Optional
 
 import torch
-from megatron.core import parallel_state as mpu
 
-from megarl.actor.batch import RolloutBatch
 from megarl.actor.config import BatchingConfig
 from megarl.actor.packing import PackedMicroBatch, pack, plan_micro_batches
+from megarl.batch.rollout_batch import RolloutBatch
+from megarl.parallel_state import megatron_groups
 
 
 def mini_batch_rows(size: int, batching: BatchingConfig) -> List[torch.Tensor]:
@@ -34,15 +34,15 @@ def local_micro_batches(batch: RolloutBatch, rows: torch.Tensor,
                         batching: BatchingConfig) -> List[PackedMicroBatch]:
     """This DP rank's packed micro-batches of the sequences `rows` [m]."""
     lengths = batch.lengths[rows].tolist()
-    interleaved = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
-    plan = plan_micro_batches(lengths, mpu.get_data_parallel_world_size(),
+    interleaved = megatron_groups.virtual_stages()
+    plan = plan_micro_batches(lengths, megatron_groups.data().size,
                               batching.micro_batch_tokens, batching.micro_batches,
-                              min_micro_batches=mpu.get_pipeline_model_parallel_world_size()
+                              min_micro_batches=megatron_groups.pipeline().size
                               if interleaved > 1 else 1)
-    tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
+    tp, cp = megatron_groups.tensor().size, megatron_groups.context().size
     return [pack(batch.tokens, batch.lengths, [int(rows[i]) for i in part], tp, cp,
-                 mpu.get_context_parallel_rank())
-            for part in plan[mpu.get_data_parallel_rank()]]
+                 megatron_groups.context().rank)
+            for part in plan[megatron_groups.data().rank]]
 
 
 def global_counts(batch: RolloutBatch, rows: torch.Tensor, norm_tokens: Optional[int]) -> dict:

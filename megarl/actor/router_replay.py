@@ -13,11 +13,11 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from megarl.actor.packing import PackedMicroBatch, pack_tokens, unpack_tokens
 from megarl.actor.schedule import full_pack
+from megarl.parallel_state import megatron_groups
 
 
 def _unwrapped(chunk) -> torch.nn.Module:
@@ -40,7 +40,7 @@ class RoutingReplay:
             for _, router in _routers(chunk):
                 if router.router_replay is None:
                     router.router_replay = RouterReplay()
-        if not any(self.routers.values()) and mpu.get_pipeline_model_parallel_world_size() == 1:
+        if not any(self.routers.values()) and megatron_groups.pipeline().size == 1:
             raise ValueError("router_replay is on but the model has no MoE router; turn it off")
         # Megatron also lists every instance globally for its static helpers, which megarl does
         # not use; dropping the list keeps finished models collectable.
@@ -66,7 +66,7 @@ class RoutingReplay:
         for layer, router in self._chunk_routers(chunk):
             local = router.router_replay.recorded_topk_idx.to(torch.int32)  # [t/cp/tp, k]
             if chunk.config.sequence_parallel:
-                group = mpu.get_tensor_model_parallel_group()
+                group = megatron_groups.tensor().group
                 gathered = local.new_empty(local.shape[0] * dist.get_world_size(group), local.shape[1])
                 dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
                 local = gathered  # [t/cp, k]
@@ -77,10 +77,10 @@ class RoutingReplay:
                          width: int) -> torch.Tensor:
         """[N, L, layers, k] on every rank; stops recording."""
         self._set_action(None)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = megatron_groups.device()
         # Stored + 1 so that an all-reduce of zeros elsewhere leaves -1 where nothing was routed.
         out = torch.zeros(size, width, self.num_layers, self.topk, dtype=torch.int32, device=device)
-        if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0:
+        if megatron_groups.tensor().rank == 0 and megatron_groups.context().rank == 0:
             for layer, per_mb in self.recorded.items():
                 for rows, mb in zip(per_mb, micro_batches):
                     out[mb.rows.to(device), :rows.shape[1], layer] = (rows + 1).to(device)
@@ -96,7 +96,7 @@ class RoutingReplay:
         self._set_action(RouterReplayAction.REPLAY_FORWARD)
 
     def replay_around(self, chunk, mb: PackedMicroBatch, forward):
-        tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+        tp, tp_rank = megatron_groups.tensor().size, megatron_groups.tensor().rank
         rows = self.routed_experts[mb.rows][:, :mb.width]  # [n, W, layers, k]
         for layer, router in self._chunk_routers(chunk):
             packed = pack_tokens(rows[:, :, layer], mb, -1)[mb.local_index]  # [t/cp, k]

@@ -10,12 +10,12 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.actor.packing import PackedMicroBatch, local_positions
 from megarl.models.portable_layers import gather_from_context_parallel
+from megarl.parallel_state import megatron_groups
 
 
 def packed_seq_params(mb: PackedMicroBatch, device) -> PackedSeqParams:
@@ -59,18 +59,18 @@ def full_pack(local: torch.Tensor,  # [t/cp, ...] this CP rank's tokens
               mb: PackedMicroBatch) -> torch.Tensor:
     """[t, ...] in pack order. Differentiable: a loss computed identically on every CP rank from
     the result must be divided by cp (the gather's backward sums the ranks' gradients)."""
-    cp = mpu.get_context_parallel_world_size()
+    cp = megatron_groups.context().size
     if cp == 1:
         return local
-    gathered = gather_from_context_parallel(local, mpu.get_context_parallel_group())
+    gathered = gather_from_context_parallel(local, megatron_groups.context().group)
     order = torch.cat([local_positions(mb.cu_seqlens_padded, cp, r) for r in range(cp)])
     return gathered[torch.argsort(order).to(gathered.device)]
 
 
 def owns_results() -> bool:
     """One rank per data-parallel rank reports: last stage, TP rank 0, CP rank 0."""
-    return (mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
-            and mpu.get_context_parallel_rank() == 0)
+    return (megatron_groups.is_last_stage() and megatron_groups.tensor().rank == 0
+            and megatron_groups.context().rank == 0)
 
 
 def share_rows(per_mb: List[torch.Tensor],  # [n, W, ...] per micro-batch of this rank
@@ -88,7 +88,7 @@ def share_rows(per_mb: List[torch.Tensor],  # [n, W, ...] per micro-batch of thi
 def sum_metrics(per_mb: List[dict], keys) -> dict:
     """Sum each metric over micro-batches and data-parallel ranks (shares of global means)."""
     totals = torch.zeros(len(keys), dtype=torch.float64,
-                         device="cuda" if torch.cuda.is_available() else "cpu")
+                         device=megatron_groups.device())
     if owns_results():
         for metrics in per_mb:
             totals += torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64,

@@ -8,16 +8,17 @@ from functools import partial
 from typing import List
 
 import torch
-from megatron.core import parallel_state as mpu
 
-from megarl.actor.batch import RolloutBatch
-from megarl.actor.config import CriticConfig, require_norm_tokens
+from megarl.actor.config import require_norm_tokens
 from megarl.actor.optimizer import TrainState
 from megarl.actor.packing import PackedMicroBatch, unpack_predictions
 from megarl.actor.passes import global_counts, local_micro_batches, mean_over_steps
 from megarl.actor.schedule import full_pack, run_micro_batches, share_rows, sum_metrics
 from megarl.algos.aggregation import aggregate
 from megarl.algos.value_loss import clipped_value_loss
+from megarl.batch.rollout_batch import RolloutBatch
+from megarl.critic.config import CriticConfig
+from megarl.parallel_state import megatron_groups
 
 METRICS = ("value_loss", "value_clip_fraction")
 
@@ -45,7 +46,7 @@ class Critic:
         outputs = run_micro_batches(self.state.model, micro_batches,
                                     lambda mb: partial(self._report_values, mb), forward_only=True)
         values = share_rows([o["values"] for o in outputs], micro_batches, (batch.size, batch.width),
-                            torch.float32, "cuda" if torch.cuda.is_available() else "cpu")
+                            torch.float32, megatron_groups.device())
         return batch.with_fields(values=values.cpu() * batch.loss_mask)
 
     def _value_loss(self, batch: RolloutBatch, counts: dict, mb: PackedMicroBatch, output):
@@ -60,7 +61,7 @@ class Critic:
         loss = share(per_token, mode=self.config.aggregation)
         metrics = {"value_loss": loss.detach(),
                    "value_clip_fraction": share(clipped, mode="token-mean").detach()}
-        return loss / mpu.get_context_parallel_world_size(), torch.tensor(1, dtype=torch.int), metrics
+        return loss / megatron_groups.context().size, torch.tensor(1, dtype=torch.int), metrics
 
     def update(self, batch: RolloutBatch) -> dict:
         """Optimizer steps on the clipped value loss (needs values and returns). Collective."""

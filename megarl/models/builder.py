@@ -7,7 +7,6 @@ expect). Parallel state must already be initialized (megarl.parallel_state.megat
 from typing import List
 
 import torch
-from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 
@@ -15,6 +14,7 @@ from megarl.models.hf_config import ModelArch
 from megarl.models.layer_spec import decoder_spec, transformer_engine_available
 from megarl.models.megatron_config import padded_vocab_size, transformer_config
 from megarl.models.value_head import ValueHead
+from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 
 ROLES = ("policy", "value")
@@ -35,8 +35,8 @@ def build_model(arch: ModelArch, dims: ParallelDims, role: str = "policy",
                                                 vp_stage=vp),
             vocab_size=padded_vocab_size(arch.vocab_size, dims.tp),
             max_sequence_length=arch.max_position_embeddings,
-            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            pre_process=megatron_groups.is_first_stage(vp),
+            post_process=megatron_groups.is_last_stage(vp),
             share_embeddings_and_output_weights=arch.tie_embeddings and role == "policy",
             position_embedding_type="rope",
             rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer()

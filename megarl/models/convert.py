@@ -10,7 +10,6 @@ import os
 import shutil
 
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
 from megarl.models import checkpoint
@@ -76,10 +75,10 @@ def megatron_to_hf(megatron_dir: str, out_dir: str) -> dict:
     arch, dims, partial, chunks = _start(hf_config, out_dir)
     world = dims.world_size
     checkpoint.load(chunks, megatron_dir)
-    stage, stages = mpu.get_pipeline_model_parallel_rank(), dims.pp
+    stage, stages = megatron_groups.pipeline().rank, dims.pp
     filename = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
     names = []
-    if mpu.get_data_parallel_rank() == 0:  # one writer per pipeline stage
+    if megatron_groups.data().rank == 0:  # one writer per pipeline stage
         tensors = {name: t.contiguous() for name, t in local_hf_tensors(chunks, arch)}
         save_file(tensors, os.path.join(partial, filename), metadata={"format": "pt"})
         names = sorted(tensors)

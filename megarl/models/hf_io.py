@@ -12,12 +12,12 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from safetensors import SafetensorError, safe_open
 
 from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch
 from megarl.models.param_layout import ParamSlot, join_shards, local_shard, param_slots
+from megarl.parallel_state import megatron_groups
 
 
 class SafetensorsReader:
@@ -70,11 +70,6 @@ class SafetensorsReader:
         self._stack.close()
 
 
-def _tied_output(arch: ModelArch, slot: ParamSlot, role: str) -> bool:
-    """With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding."""
-    return role == "policy" and arch.tie_embeddings and slot.canonical == "output_layer.weight"
-
-
 def check_hf_names(arch: ModelArch, names: List[str], hf_dir: str, role: str = "policy") -> None:
     """Every tensor of the checkpoint must be one the weight table consumes: an unknown name
     means a config field megarl does not model, and dropping it would change the model."""
@@ -91,11 +86,6 @@ def check_hf_names(arch: ModelArch, names: List[str], hf_dir: str, role: str = "
         )
 
 
-def entry_of(arch: ModelArch, slot: ParamSlot, role: str) -> weight_tables.Entry:
-    name = "embedding.word_embeddings.weight" if _tied_output(arch, slot, role) else slot.canonical
-    return weight_tables.entry_for(arch, name, role)
-
-
 @torch.no_grad()
 def load_hf_weights(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
                     role: str = "policy") -> Tuple[int, int]:
@@ -104,11 +94,11 @@ def load_hf_weights(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
     The value head, which a causal-LM checkpoint does not have, keeps its initialization."""
     reader = SafetensorsReader(hf_dir)
     check_hf_names(arch, reader.names(), hf_dir, role)
-    tp = mpu.get_tensor_model_parallel_world_size()
+    tp = megatron_groups.tensor().size
     written = 0
     try:
         for slot, param in param_slots(chunks):
-            entry = entry_of(arch, slot, role)
+            entry = weight_tables.entry_of(arch, slot.canonical, role)
             if entry.hf == weight_tables.VALUE_HEAD.hf and entry.hf[0] not in reader.weight_map:
                 continue
             full = weight_tables.read_entry(arch, entry, reader, tp)
@@ -134,10 +124,11 @@ def local_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str =
         if slot.tp_dim is not None:
             raise ValueError(f"{slot.canonical} is TP-sharded; export needs tp = etp = 1 "
                              f"(use gather_hf_tensors for a sharded layout)")
-        if _tied_output(arch, slot, role):
+        if weight_tables.tied_output(arch, slot.canonical, role):
             continue
         tensor = param.detach() if tensor_of is None else tensor_of(param)
-        yield from weight_tables.to_hf(arch, entry_of(arch, slot, role), tensor).items()
+        entry = weight_tables.entry_of(arch, slot.canonical, role)
+        yield from weight_tables.to_hf(arch, entry, tensor).items()
 
 
 def gather_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str = "policy",
@@ -149,7 +140,7 @@ def gather_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str 
     weight-sync path to vLLM streams instead (megarl.resharding)."""
     mine = []
     for slot, param in param_slots(chunks):
-        if _tied_output(arch, slot, role):
+        if weight_tables.tied_output(arch, slot.canonical, role):
             continue
         tensor = param.detach() if tensor_of is None else tensor_of(param)
         mine.append((slot, tensor.detach().cpu()))
@@ -167,5 +158,5 @@ def gather_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str 
         slot = slot_of[canonical]
         full = join_shards([by_rank[r] for r in range(slot.tp_size if slot.tp_dim is not None
                                                       else 1)], slot.tp_dim, slot.glu)
-        result.update(weight_tables.to_hf(arch, entry_of(arch, slot, role), full))
+        result.update(weight_tables.to_hf(arch, weight_tables.entry_of(arch, slot.canonical, role), full))
     return result

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
-from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+
+from megarl.parallel_state import megatron_groups
 
 # Transformer Engine modules name a few tensors differently from the portable spec.
 _TE_NAMES = (
@@ -25,6 +26,7 @@ _TE_NAMES = (
     (re.compile(r"mlp\.experts\.linear_fc(\d)\.weight(\d+)$"),
      r"mlp.experts.local_experts.\2.linear_fc\1.weight"),
 )
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
@@ -75,20 +77,20 @@ def _tp_dim(module: torch.nn.Module, param_name: str) -> Optional[int]:
 def param_slots(chunks: List[torch.nn.Module]) -> List[Tuple[ParamSlot, torch.nn.Parameter]]:
     """Every parameter of this rank's chunks with its slot, in chunk and parameter order."""
     slots = []
-    ep_rank = mpu.get_expert_model_parallel_rank()
+    ep_rank = megatron_groups.expert().rank
     for chunk in chunks:
         config = chunk.config
-        num_local = (config.num_moe_experts or 0) // mpu.get_expert_model_parallel_world_size()
+        num_local = (config.num_moe_experts or 0) // megatron_groups.expert().size
         owners = {f"{prefix}.{pname}" if prefix else pname: (module, pname)
                   for prefix, module in chunk.named_modules()
                   for pname, _ in module.named_parameters(recurse=False)}
         for name, param in chunk.named_parameters():
             if ".experts." in name:
-                tp_rank, tp_size = (mpu.get_expert_tensor_parallel_rank(),
-                                    mpu.get_expert_tensor_parallel_world_size())
+                tp_rank, tp_size = (megatron_groups.expert_tensor().rank,
+                                    megatron_groups.expert_tensor().size)
             else:
-                tp_rank, tp_size = (mpu.get_tensor_model_parallel_rank(),
-                                    mpu.get_tensor_model_parallel_world_size())
+                tp_rank, tp_size = (megatron_groups.tensor().rank,
+                                    megatron_groups.tensor().size)
             tp_dim = _tp_dim(*owners[name]) if tp_size > 1 else None
             slots.append((ParamSlot(
                 canonical=_canonical(chunk, name, num_local, ep_rank),

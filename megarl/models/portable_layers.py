@@ -11,8 +11,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core.transformer.module import MegatronModule
+
+from megarl.parallel_state import megatron_groups
 
 
 class RMSNorm(torch.nn.Module):
@@ -84,7 +85,7 @@ class PortableCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp_group = (pg_collection.cp if pg_collection is not None and
-                         hasattr(pg_collection, "cp") else mpu.get_context_parallel_group())
+                         hasattr(pg_collection, "cp") else megatron_groups.context().group)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):

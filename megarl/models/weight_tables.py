@@ -118,6 +118,18 @@ def entries(arch: ModelArch, role: str = "policy") -> Iterator[Entry]:
 _NUMBERS = re.compile(r"^decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\.(\d+)\.)?")
 
 
+def tied_output(arch: ModelArch, megatron_name: str, role: str) -> bool:
+    """With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding."""
+    return role == "policy" and arch.tie_embeddings and megatron_name == "output_layer.weight"
+
+
+def entry_of(arch: ModelArch, megatron_name: str, role: str) -> "Entry":
+    """The Entry a rank's parameter of that canonical name loads from and exports to: a tied
+    output layer's copy is the embedding's entry."""
+    name = "embedding.word_embeddings.weight" if tied_output(arch, megatron_name, role) else megatron_name
+    return entry_for(arch, name, role)
+
+
 def entry_for(arch: ModelArch, megatron_name: str, role: str = "policy") -> Entry:
     """The Entry of one canonical Megatron name, or KeyError naming it."""
     match = _NUMBERS.match(megatron_name)

@@ -1,12 +1,15 @@
 """The one adapter between megarl and Megatron-Core's global parallel state.
 
 Owns: starting torch.distributed (nccl with CUDA, gloo without), creating Megatron's process
-groups for a validated ParallelDims, seeding, and tearing it all down. Nothing else in megarl
-calls `megatron.core.parallel_state` initialization functions.
+groups for a validated ParallelDims, seeding, tearing it all down, and every read of that state:
+this rank's place on each parallel axis (`tensor()`, `context()`, ... -> Axis) and its pipeline
+stage. Nothing else in megarl imports `megatron.core.parallel_state` (tests/test_architecture.py).
 """
 
 import datetime
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -17,6 +20,14 @@ from megarl.parallel_state.dims import ParallelDims
 
 def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device() -> torch.device:
+    """Where this rank computes and where its collectives' tensors live: its GPU (NCCL) or the
+    CPU (gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def init_distributed(timeout_s: float = 600.0) -> int:
@@ -36,7 +47,6 @@ def init_distributed(timeout_s: float = 600.0) -> int:
 
 def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -> None:
     """Create Megatron-Core's groups for `dims` on the current world and seed every RNG."""
-    from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     world = init_distributed(timeout_s)
@@ -47,6 +57,7 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
             f"{dims.world_size} or change the layout"
         )
     cpu_compat.install()
+    mpu = _mpu()
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
@@ -64,8 +75,7 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
 
 
 def destroy() -> None:
-    from megatron.core import parallel_state as mpu
-
+    mpu = _mpu()
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     if dist.is_initialized():
@@ -80,6 +90,76 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Axis:
+    """This rank's place along one parallel dimension of the current Megatron layout."""
+    rank: int
+    size: int
+    group: object  # torch.distributed ProcessGroup of the ranks along this axis
+
+
+def _mpu():
+    from megatron.core import parallel_state as mpu  # lazy: config checks run without Megatron
+
+    return mpu
+
+
+def tensor() -> Axis:
+    mpu = _mpu()
+    return Axis(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
+                mpu.get_tensor_model_parallel_group())
+
+
+def context() -> Axis:
+    mpu = _mpu()
+    return Axis(mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size(),
+                mpu.get_context_parallel_group())
+
+
+def data() -> Axis:
+    """Data parallel, not counting context-parallel ranks (they hold the same sequences)."""
+    mpu = _mpu()
+    return Axis(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
+                mpu.get_data_parallel_group())
+
+
+def pipeline() -> Axis:
+    mpu = _mpu()
+    return Axis(mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size(),
+                mpu.get_pipeline_model_parallel_group())
+
+
+def expert() -> Axis:
+    mpu = _mpu()
+    return Axis(mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size(),
+                mpu.get_expert_model_parallel_group())
+
+
+def expert_tensor() -> Axis:
+    mpu = _mpu()
+    return Axis(mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size(),
+                mpu.get_expert_tensor_parallel_group())
+
+
+def virtual_stages() -> int:
+    """Model chunks per pipeline rank (1 without interleaving)."""
+    return _mpu().get_virtual_pipeline_model_parallel_world_size() or 1
+
+
+def is_first_stage(vp_stage: Optional[int] = None) -> bool:
+    """This rank's pipeline stage holds the embedding; with `vp_stage`, that model chunk does."""
+    if vp_stage is None:
+        return _mpu().is_pipeline_first_stage()
+    return _mpu().is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+
+
+def is_last_stage(vp_stage: Optional[int] = None) -> bool:
+    """This rank's pipeline stage holds the output layer; with `vp_stage`, that model chunk does."""
+    if vp_stage is None:
+        return _mpu().is_pipeline_last_stage()
+    return _mpu().is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
 
 
 def is_rank0() -> bool:

@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch
-from megarl.models.hf_io import entry_of
 from megarl.models.param_layout import param_slots
 from megarl.resharding.plan import Piece
 
@@ -23,7 +22,7 @@ def local_pieces(chunks: List[torch.nn.Module], arch: ModelArch,
     rank = dist.get_rank() if dist.is_initialized() else 0
     pieces, tensors = [], {}
     for slot, param in param_slots(chunks):
-        if entry_of(arch, slot, role).megatron != slot.canonical:
+        if weight_tables.entry_of(arch, slot.canonical, role).megatron != slot.canonical:
             continue
         tensor = param.detach()
         pieces.append(Piece(rank=rank, canonical=slot.canonical, tp_rank=slot.tp_rank,

@@ -1,9 +1,9 @@
-"""From prompts to a RolloutBatch on every rank: each vLLM engine samples its share of the
-prompts, every rank receives all samples, responses are decoded and scored.
+"""From prompts to a RolloutBatch on every rank: each engine's producer samples the engine's share
+of the prompts, every rank receives all samples, responses are decoded and scored.
 
-Owns splitting prompts over engines, the all-gather of samples, and laying samples out as
-right-padded rows with the rollout log-probs aligned to their tokens. Does not own generation
-(the engine) or what a reward means (rewards.py).
+Owns splitting prompts over engines (as the engine's placement says), the all-gather of samples,
+and laying samples out as right-padded rows with the rollout log-probs aligned to their tokens.
+Does not own generation (the engine, the producer) or what a reward means (rewards.py).
 """
 
 from dataclasses import dataclass
@@ -12,9 +12,10 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from megarl.actor.batch import RolloutBatch
 from megarl.algos.shaping import informative_groups
+from megarl.batch.rollout_batch import RolloutBatch
 from megarl.rollout.engine import RolloutEngine, RolloutSample, SamplingConfig
+from megarl.rollout.producer import SampleProducer
 from megarl.rollout.prompts import Prompt
 from megarl.rollout.rewards import RewardFn, score
 
@@ -28,15 +29,15 @@ class Collected:
     truncated: int  # responses cut at max_new_tokens
 
 
-def _all_samples(engine: RolloutEngine, prompts: List[Prompt], sampling: SamplingConfig,
-                 engines: int, engine_rank: int, tp_rank: int) -> List[RolloutSample]:
+def _all_samples(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
+                 sampling: SamplingConfig) -> List[RolloutSample]:
     """Every engine's samples on every rank, ordered by global prompt index."""
-    mine = list(range(engine_rank, len(prompts), engines))
-    samples = engine.generate([prompts[i].token_ids for i in mine], sampling) if mine else []
+    mine = engine.placement.share(len(prompts))
+    samples = producer.produce(engine, [prompts[i].token_ids for i in mine], sampling) if mine else []
     for sample in samples:
         sample.prompt_index = mine[sample.prompt_index]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, samples if tp_rank == 0 else [])
+    dist.all_gather_object(gathered, samples if engine.placement.leader else [])
     every = [s for part in gathered for s in part]
     return sorted(every, key=lambda s: s.prompt_index)  # stable: keeps each prompt's sample order
 
@@ -57,10 +58,10 @@ def to_batch(samples: List[RolloutSample], rewards: torch.Tensor) -> RolloutBatc
                         rewards=rewards, rollout_logprobs=rollout_logprobs)
 
 
-def collect(engine: RolloutEngine, prompts: List[Prompt], sampling: SamplingConfig, tokenizer,
-            reward_fn: RewardFn, engines: int, engine_rank: int, tp_rank: int) -> Collected:
+def collect(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
+            sampling: SamplingConfig, tokenizer, reward_fn: RewardFn) -> Collected:
     """Collective over the world: every rank returns the same batch."""
-    samples = _all_samples(engine, prompts, sampling, engines, engine_rank, tp_rank)
+    samples = _all_samples(engine, producer, prompts, sampling)
     empty = [s for s in samples if not s.response_ids]
     if empty:
         raise RuntimeError(f"{len(empty)} samples have empty responses; raise max_new_tokens or check "

@@ -42,6 +42,20 @@ class RolloutSample:
     finish_reason: str = ""
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank sits among the engines of the job: `engines` independent engines serve
+    disjoint prompts; this rank belongs to engine `engine_rank`, and exactly one rank of each
+    engine (its `leader`) reports that engine's samples."""
+    engines: int
+    engine_rank: int
+    leader: bool
+
+    def share(self, count: int) -> List[int]:
+        """Indices of the `count` prompts this rank's engine serves (round robin)."""
+        return list(range(self.engine_rank, count, self.engines))
+
+
 @dataclass
 class WeightUpdateReport:
     """What an engine saw during one weight update; `missing` and `unexpected` must be empty."""
@@ -52,6 +66,8 @@ class WeightUpdateReport:
 
 
 class RolloutEngine(Protocol):
+    placement: Placement
+
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
         """Sample `sampling.n` responses per prompt (token ids in, token ids and log-probs out)."""
 

@@ -6,7 +6,6 @@ something that is not a finite number, scores 0 and is counted.
 Does not own shaping (DAPO's overlong penalty lives in algos) or KL penalties.
 """
 
-import importlib
 import math
 import re
 from dataclasses import dataclass
@@ -14,6 +13,8 @@ from fractions import Fraction
 from typing import Callable, List, Optional
 
 import torch
+
+from megarl.rollout.plugins import load_callable
 
 RewardFn = Callable[[str, str], float]
 
@@ -80,20 +81,7 @@ REWARD_FUNCTIONS = {"math": math_verify, "exact_match": exact_match}
 
 def load_reward_fn(name: str) -> RewardFn:
     """A built-in name, or 'package.module:function'."""
-    if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
-    if ":" not in name:
-        raise ValueError(f"reward {name!r} is neither built in ({sorted(REWARD_FUNCTIONS)}) nor "
-                         "'module:function'")
-    module_name, function_name = name.split(":", 1)
-    try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"reward {name!r}: cannot load {function_name!r} from module "
-                         f"{module_name!r} ({error}); is the module on PYTHONPATH?") from error
-    if not callable(function):
-        raise ValueError(f"reward {name!r} is not callable")
-    return function
+    return load_callable(name, REWARD_FUNCTIONS, "reward")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout import vllm_cpu_fixes
-from megarl.rollout.engine import RolloutSample, SamplingConfig, WeightUpdateReport
+from megarl.rollout.engine import Placement, RolloutSample, SamplingConfig, WeightUpdateReport
 
 _ON_CPU = not torch.cuda.is_available()
 
@@ -33,8 +33,10 @@ class VLLMEngine:
                  max_model_len: Optional[int] = None, kv_cache_gib: int = 1, seed: int = 0,
                  gpu_memory_utilization: float = 0.5):
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.data_parallel = rollout_groups(world, rollout_tp)
-        self.rollout_tp = rollout_tp
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        # Ranks of one engine must pass the same prompts; its first rank reports the samples.
+        self.placement = Placement(engines=rollout_groups(world, rollout_tp), engine_rank=rank // rollout_tp,
+                                   leader=rank % rollout_tp == 0)
         # In-process engine: the worker lives in this process, so weight updates are plain
         # function calls on tensors already in memory.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -51,7 +53,7 @@ class VLLMEngine:
         kwargs = {}
         if world > 1:
             kwargs = dict(distributed_executor_backend="external_launcher",
-                          data_parallel_size=self.data_parallel)
+                          data_parallel_size=self.placement.engines)
         self.llm = LLM(
             model=hf_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
             tensor_parallel_size=rollout_tp, max_model_len=max_model_len,
@@ -59,12 +61,6 @@ class VLLMEngine:
             enable_sleep_mode=not _ON_CPU, **kwargs,
         )
         self._asleep = set()  # of "weights", "kv_cache": what release_memory put to sleep
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """Which engine this rank belongs to; ranks of one engine must pass the same prompts."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        return rank // self.rollout_tp
 
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
         self._require_awake("generate", ["weights", "kv_cache"])

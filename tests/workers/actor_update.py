@@ -10,10 +10,12 @@ import torch
 from synthetic_batch import synthetic_batch  # noqa: I001 (next to this script)
 
 from megarl.actor.actor import Actor
-from megarl.actor.config import ActorConfig, BatchingConfig, CriticConfig
+from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.actor.optimizer import OptimConfig
+from megarl.checks import parity
+from megarl.critic.config import CriticConfig
 from megarl.critic.critic import Critic
-from megarl.models import checkpoint, parity
+from megarl.models import checkpoint
 from megarl.models.builder import build_model
 from megarl.models.hf_config import arch_from_hf_config
 from megarl.models.hf_io import gather_hf_tensors

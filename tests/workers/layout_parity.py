@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from megarl.models import parity
+from megarl.checks import parity
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 

@@ -8,7 +8,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
@@ -21,7 +20,7 @@ def main():
     args = parser.parse_args()
     world = megatron_groups.init_distributed(args.timeout_s)
     megatron_groups.initialize(ParallelDims(world_size=world), timeout_s=args.timeout_s)
-    group = None if args.group == "world" else mpu.get_data_parallel_group()
+    group = None if args.group == "world" else megatron_groups.data().group
     if dist.get_rank() == 1:
         time.sleep(3 * args.timeout_s)
         return

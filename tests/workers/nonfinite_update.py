@@ -13,8 +13,9 @@ import torch
 from synthetic_batch import synthetic_batch  # noqa: I001 (next to this script)
 
 from megarl.actor.actor import Actor
-from megarl.actor.config import ActorConfig, CriticConfig
+from megarl.actor.config import ActorConfig
 from megarl.actor.optimizer import OptimConfig
+from megarl.critic.config import CriticConfig
 from megarl.critic.critic import Critic
 from megarl.models import checkpoint
 from megarl.models.builder import build_model

@@ -18,8 +18,9 @@ from synthetic_batch import synthetic_batch  # noqa: I001 (next to this script)
 
 from megarl.actor import offload as offload_mod
 from megarl.actor.actor import Actor
-from megarl.actor.config import ActorConfig, CriticConfig
+from megarl.actor.config import ActorConfig
 from megarl.actor.optimizer import OptimConfig
+from megarl.critic.config import CriticConfig
 from megarl.critic.critic import Critic
 from megarl.models.builder import build_model
 from megarl.models.hf_config import load_arch

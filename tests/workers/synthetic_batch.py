@@ -3,7 +3,7 @@ lengths, random tokens, rewards and advantages (the same on every rank for a see
 
 import torch
 
-from megarl.actor.batch import RolloutBatch
+from megarl.batch.rollout_batch import RolloutBatch
 
 
 def synthetic_batch(vocab_size: int, groups: int = 4, group_size: int = 2, max_len: int = 40,

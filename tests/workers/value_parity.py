@@ -5,7 +5,7 @@ import argparse
 
 import torch
 
-from megarl.models import parity
+from megarl.checks import parity
 from megarl.models.builder import build_model
 from megarl.models.hf_config import load_arch
 from megarl.models.hf_io import load_hf_weights

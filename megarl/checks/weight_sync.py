@@ -9,12 +9,12 @@ from typing import List
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 
-from megarl.models import parity
+from megarl.checks import parity
+from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch
-from megarl.models.hf_io import entry_of
 from megarl.models.param_layout import param_slots
+from megarl.parallel_state import megatron_groups
 from megarl.rollout.engine import RolloutSample, SamplingConfig
 
 
@@ -25,7 +25,7 @@ def perturb(chunks: List[torch.nn.Module], arch: ModelArch, scale: float, seed: 
     a norm, a tied embedding's two copies -- gets the same noise and replicas stay identical."""
     for slot, param in param_slots(chunks):
         shard = slot.tp_rank if slot.tp_dim is not None else 0
-        key = f"{entry_of(arch, slot, 'policy').megatron}/{shard}"
+        key = f"{weight_tables.entry_of(arch, slot.canonical, 'policy').megatron}/{shard}"
         generator = torch.Generator().manual_seed(seed ^ zlib.crc32(key.encode()))
         noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
         param.add_((scale * param.float().abs().mean() * noise).to(param.dtype))
@@ -55,7 +55,7 @@ def actor_logprob_diff(chunks, arch: ModelArch, samples: List[RolloutSample], mu
         tokens[i, :len(ids)] = torch.tensor(ids)
     result = parity.megatron_run(chunks, arch, tokens, backward=False)
     diff = torch.zeros(1, dtype=torch.float64)
-    if mpu.is_pipeline_last_stage():
+    if megatron_groups.is_last_stage():
         for i, s in enumerate(samples):
             start = len(s.prompt_ids) - 1  # position p predicts token p + 1
             positions = torch.arange(start, start + len(s.response_ids))

@@ -1,5 +1,5 @@
 """Ray as the distributed engine: one worker per device slot, together one torch.distributed
-world running megarl.loop.train.
+world running megarl.trainer.loop.train.
 
 The driver reserves `world_size` slots in a placement group (a CPU each here, a GPU and a CPU
 each on a GPU cluster), packed so that a node's slots are consecutive ranks, starts one worker
@@ -12,7 +12,7 @@ Does not own the loop (loop.py).
 import os
 from typing import Optional, Tuple
 
-from megarl.run_config import RunConfig
+from megarl.trainer.config import RunConfig
 
 
 class _Worker:
@@ -35,7 +35,7 @@ class _Worker:
         return ray.util.get_node_ip_address(), free_port()
 
     def train(self, config: RunConfig, resume: Optional[str]) -> dict:
-        from megarl.loop import train
+        from megarl.trainer.loop import train
 
         return train(config, resume)
 
@@ -43,7 +43,7 @@ class _Worker:
 def _results(ray, refs: list, run_dir: str) -> dict:
     """Rank 0's result once every worker has finished. The first worker to fail ends the run at
     once: the others would otherwise wait in a collective for it until the process-group timeout."""
-    from megarl.run_checkpoint import complete_checkpoints
+    from megarl.trainer.checkpoint import complete_checkpoints
 
     pending = list(refs)
     while pending:

@@ -6,35 +6,35 @@ import json
 
 import pytest
 
-from megarl import run_checkpoint
 from megarl.models import checkpoint
+from megarl.trainer import checkpoint as trainer_checkpoint
 
 
 def _complete(run_dir, step):
-    path = run_checkpoint.step_dir(str(run_dir), step)
+    path = trainer_checkpoint.step_dir(str(run_dir), step)
     (run_dir / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
-    with open(f"{path}/{run_checkpoint.TRAINER_FILE}", "w") as f:
+    with open(f"{path}/{trainer_checkpoint.TRAINER_FILE}", "w") as f:
         json.dump({"step": step}, f)
     return path
 
 
 def test_only_complete_checkpoints_are_found_newest_last(tmp_path):
-    assert run_checkpoint.resolve(str(tmp_path), "auto") is None  # nothing yet: start fresh
+    assert trainer_checkpoint.resolve(str(tmp_path), "auto") is None  # nothing yet: start fresh
     _complete(tmp_path, 3)
     ten = _complete(tmp_path, 10)
     (tmp_path / "checkpoints" / "step_000020.partial").mkdir()  # a save that was killed
     (tmp_path / "checkpoints" / "step_000030").mkdir()  # renamed without trainer.json: not ours
-    assert run_checkpoint.complete_checkpoints(str(tmp_path))[-1] == ten
-    assert len(run_checkpoint.complete_checkpoints(str(tmp_path))) == 2
-    assert run_checkpoint.resolve(str(tmp_path), "auto") == ten
-    assert run_checkpoint.resolve(str(tmp_path), None) is None
+    assert trainer_checkpoint.complete_checkpoints(str(tmp_path))[-1] == ten
+    assert len(trainer_checkpoint.complete_checkpoints(str(tmp_path))) == 2
+    assert trainer_checkpoint.resolve(str(tmp_path), "auto") == ten
+    assert trainer_checkpoint.resolve(str(tmp_path), None) is None
 
 
 def test_resume_path_that_is_not_a_checkpoint_is_refused(tmp_path):
     partial = tmp_path / "checkpoints" / "step_000020.partial"
     partial.mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match=r"step_000020.partial.*not a complete megarl checkpoint"):
-        run_checkpoint.resolve(str(tmp_path), str(partial))
+        trainer_checkpoint.resolve(str(tmp_path), str(partial))
 
 
 def test_checkpoint_of_another_model_is_refused_naming_the_field(tmp_path):

@@ -1,14 +1,16 @@
 """The configuration of a training run: every section a frozen dataclass, loaded with
-megarl.typed_config from YAML plus dotted overrides and validated before any process starts.
-Does not own what runs (megarl/loop.py)."""
+megarl.trainer.typed_config from YAML plus dotted overrides and validated before any process starts.
+Does not own what runs (megarl/trainer/loop.py)."""
 
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from megarl.actor.config import ActorConfig, CriticConfig
+from megarl.actor.config import ActorConfig
 from megarl.algos import pick
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS, LONE_GROUPS, WHITENED_BY_DEFAULT
 from megarl.algos.kl import KL_ESTIMATORS
+from megarl.critic.config import CriticConfig
+from megarl.parallel_state.dims import ParallelDims
 from megarl.rollout.prompts import OVERLONG
 
 
@@ -32,6 +34,11 @@ class LayoutConfig:
     etp: Optional[int] = None
     vpp: Optional[int] = None
     rollout_tp: int = 1
+
+    def dims(self) -> ParallelDims:
+        """The training layout, validated (raises naming the degrees that do not fit)."""
+        return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                            etp=self.etp, vpp=self.vpp)
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
+    producer: str = "completion"  # how samples are produced: built-in name or module:function
     kv_cache_gib: int = 1  # CPU: vLLM's KV cache size
     gpu_memory_utilization: float = 0.5  # GPU: vLLM's share of each device (weights + KV cache)
 

@@ -11,7 +11,7 @@ import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
 from megarl.models.hf_config import arch_from_hf_config
-from megarl.run_flops import (
+from megarl.trainer.flops import (
     Phase,
     attention_flops,
     forward_flops,

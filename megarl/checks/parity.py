@@ -12,7 +12,6 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -26,6 +25,7 @@ from megarl.models.builder import build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf_config
 from megarl.models.hf_io import gather_hf_tensors
 from megarl.models.portable_layers import cp_positions
+from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 
 
@@ -58,11 +58,11 @@ def cp_local(x: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
 
 def _cp_gather(x: torch.Tensor) -> torch.Tensor:
     """Inverse of cp_local over the CP group: [B, S/cp, ...] -> [B, S, ...]."""
-    cp_size = mpu.get_context_parallel_world_size()
+    cp_size = megatron_groups.context().size
     if cp_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(cp_size)]
-    dist.all_gather(parts, x.contiguous(), group=mpu.get_context_parallel_group())
+    dist.all_gather(parts, x.contiguous(), group=megatron_groups.context().group)
     full = torch.empty(x.shape[0], x.shape[1] * cp_size, *x.shape[2:], dtype=x.dtype)
     for rank, part in enumerate(parts):
         full[:, cp_positions(x.shape[1], rank, cp_size, x.device)] = part
@@ -117,7 +117,7 @@ def megatron_run(chunks: List[torch.nn.Module], arch: ModelArch, tokens: torch.T
     pipeline micro-batches. Collective."""
     if tokens.shape[0] % micro_batches:
         raise ValueError(f"batch {tokens.shape[0]} is not divisible by micro_batches {micro_batches}")
-    cp_rank, cp_size = mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
+    cp_rank, cp_size = megatron_groups.context().rank, megatron_groups.context().size
     targets, mask = next_token_targets(tokens)
     batches = [dict(tokens=cp_local(t, cp_rank, cp_size), targets=cp_local(g, cp_rank, cp_size),
                     mask=cp_local(m, cp_rank, cp_size))
@@ -132,12 +132,12 @@ def megatron_run(chunks: List[torch.nn.Module], arch: ModelArch, tokens: torch.T
         _loss_func, arch.vocab_size, data["targets"], data["mask"]), backward)
     totals = torch.zeros(2, dtype=torch.float64)
     logprobs = None
-    if mpu.is_pipeline_last_stage():
+    if megatron_groups.is_last_stage():
         logprobs = torch.cat([_cp_gather(out["logprobs"]) for out in outputs])
         totals += torch.tensor([sum(float(o["loss_sum"]) for o in outputs),
                                 sum(float(o["num_tokens"]) for o in outputs)])
-        if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
-            dist.all_reduce(totals, group=mpu.get_context_parallel_group())
+        if megatron_groups.tensor().rank == 0 and megatron_groups.data().rank == 0:
+            dist.all_reduce(totals, group=megatron_groups.context().group)
             if cp_rank != 0:
                 totals.zero_()
         else:
@@ -156,12 +156,12 @@ def _values_func(values):  # values [b, s/cp, 1]
 @torch.no_grad()
 def megatron_values(chunks: List[torch.nn.Module], tokens: torch.Tensor) -> torch.Tensor:
     """Value-model forward on `tokens` [B, S]; returns values [B, S] on every rank. Collective."""
-    cp_rank, cp_size = mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size()
+    cp_rank, cp_size = megatron_groups.context().rank, megatron_groups.context().size
     for chunk in chunks:
         chunk.eval()
     outputs = _schedule(chunks, [dict(tokens=cp_local(tokens, cp_rank, cp_size))],
                         lambda data: _values_func, backward=False)
-    values = _cp_gather(outputs[0]["values"]) if mpu.is_pipeline_last_stage() else None
+    values = _cp_gather(outputs[0]["values"]) if megatron_groups.is_last_stage() else None
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, values)
     return next(v for v in everyone if v is not None)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models import checkpoint as model_checkpoint
-from megarl.run_config import RunConfig
+from megarl.trainer.config import RunConfig
 
 CHECKPOINTS = "checkpoints"
 TRAINER_FILE = "trainer.json"

@@ -11,7 +11,7 @@ from typing import List, Tuple
 import torch
 
 from megarl.actor.actor import Actor
-from megarl.actor.batch import RolloutBatch
+from megarl.batch.rollout_batch import RolloutBatch
 
 
 def sft_batch(pairs: List[Tuple[List[int], List[int]]]) -> RolloutBatch:

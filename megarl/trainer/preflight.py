@@ -19,7 +19,7 @@ from megarl.models.megatron_config import transformer_config
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rollout.prompts import load_prompts
 from megarl.rollout.vllm_engine import rollout_groups
-from megarl.run_config import RunConfig
+from megarl.trainer.config import RunConfig
 
 
 def _check_rollout(config: RunConfig, arch: ModelArch) -> None:
@@ -66,9 +66,7 @@ def preflight(config: RunConfig) -> ParallelDims:
     """Raise ValueError/FileNotFoundError naming the values if `config` cannot run; returns the
     validated layout."""
     arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
-    layout = config.layout
-    dims = ParallelDims(world_size=layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                        ep=layout.ep, etp=layout.etp, vpp=layout.vpp)
+    dims = config.layout.dims()
     transformer_config(arch, dims)  # the builder's check_model, then Megatron's own checks
     _check_rollout(config, arch)
     longest = config.data.max_prompt_len + config.generation.max_new_tokens

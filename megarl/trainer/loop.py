@@ -1,0 +1,207 @@
+"""The RL loop, one step per iteration, as the README's diagram shows:
+generate -> reward -> old/ref log-probs, values -> advantages -> actor/critic update -> sync.
+
+Every rank runs `train` (SPMD): the processes come from torchrun or from Ray (launch.py). Each
+phase is one named call, timed under its name. It orchestrates and computes nothing itself: where
+rollouts come from is a RolloutSource (rollout_source.py), how samples are produced a
+SampleProducer (megarl/rollout/producer.py), both chosen once in `setup`.
+"""
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Optional, Tuple
+
+from megarl.actor.actor import Actor
+from megarl.algos.advantage_step import advantage_step
+from megarl.critic.critic import Critic
+from megarl.models import checkpoint as model_checkpoint
+from megarl.models.builder import build_model
+from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.models.hf_io import load_hf_weights
+from megarl.parallel_state import megatron_groups
+from megarl.resharding.hf_export import export_hf
+from megarl.rollout.producer import load_producer
+from megarl.rollout.prompts import PromptSampler, load_prompts
+from megarl.rollout.rewards import load_reward_fn
+from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.trainer import checkpoint, flops
+from megarl.trainer.config import AlgoConfig, RunConfig
+from megarl.trainer.metrics import MetricsLog, PhaseTimer
+from megarl.trainer.plots import plot_run
+from megarl.trainer.rollout_source import ColocatedRollouts, Rollouts, RolloutSource
+from megarl.trainer.step_metrics import max_over_ranks, step_metrics
+
+
+def with_advantages(batch, algo: AlgoConfig, max_new_tokens: int):
+    """The batch with the configured estimator's advantages and returns (algos/advantage_step)."""
+    advantages, returns = advantage_step(
+        rewards=batch.rewards, mask=batch.loss_mask, group_ids=batch.group_ids, values=batch.values,
+        logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, estimator=algo.advantage,
+        gamma=algo.gamma, lam=algo.lam, eps=algo.eps, whiten_advantages=algo.whitens,
+        lone_groups=algo.lone_groups, kl_coeff=algo.kl_reward_coeff, kl_estimator=algo.kl_estimator,
+        kl_clamp=algo.kl_clamp, max_response_len=max_new_tokens, overlong_buffer=algo.overlong_buffer,
+        overlong_penalty=algo.overlong_penalty)
+    return batch.with_fields(advantages=advantages, returns=returns)
+
+
+def _load(chunks, arch, config: RunConfig, role: str) -> None:
+    if role == "policy" and config.model.megatron_dir:
+        model_checkpoint.load(chunks, config.model.megatron_dir)
+    else:
+        load_hf_weights(chunks, arch, config.model.hf_dir, role=role)
+
+
+@dataclass
+class Run:
+    """Everything one rank holds for a run, built once by `setup`."""
+    config: RunConfig
+    arch: ModelArch
+    hf_config: dict
+    actor: Actor
+    critic: Optional[Critic]
+    source: RolloutSource
+    sampler: PromptSampler  # the data position, saved in checkpoints
+    device: str  # for MFU: the accelerator's name ("cpu" without one)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    metrics: dict
+    rollouts: Rollouts  # with the trained batch (log-probs, values, advantages)
+
+
+def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
+    """Processes, models, rollout source and data for `config`, restored from the checkpoint
+    `resume` names (None, 'auto' or a path). Returns the run and the last step already done.
+    Collective."""
+    import transformers  # slow to import: only where a run starts
+
+    layout = config.layout
+    world = megatron_groups.init_distributed(config.collective_timeout_s)
+    if world != layout.world_size:
+        raise ValueError(f"layout.world_size={layout.world_size} but {world} processes were started; "
+                         "make them agree (torchrun --nproc-per-node, or let Ray place the workers)")
+    dims = layout.dims()
+    hf_config = load_hf_config(config.model.hf_dir)
+    arch = arch_from_hf_config(hf_config)
+    resume_from = checkpoint.resolve(config.run_dir, resume)
+    # Refuse checkpoints this run cannot use before anything is built.
+    if resume_from:
+        checkpoint.read_trainer_file(resume_from, config, hf_config)
+    if config.model.megatron_dir:
+        model_checkpoint.require_model(config.model.megatron_dir, hf_config, config.model.hf_dir)
+    megatron_groups.initialize(dims, seed=config.seed, timeout_s=config.collective_timeout_s)
+    rank0 = megatron_groups.is_rank0()
+    if rank0:
+        os.makedirs(config.run_dir, exist_ok=True)
+        with open(os.path.join(config.run_dir, "config.json"), "w") as f:
+            json.dump(asdict(config), f, indent=2)
+
+    actor_chunks = build_model(arch, dims, perform_initialization=False)
+    _load(actor_chunks, arch, config, "policy")
+    actor = Actor(actor_chunks, arch, config.actor_config)
+    if config.actor.kl_loss_coeff or config.algo.kl_reward_coeff:
+        actor.snapshot_reference()  # the initial weights, also when resuming
+    critic = None
+    if config.algo.uses_critic:
+        critic_chunks = build_model(arch, dims, role="value")
+        _load(critic_chunks, arch, config, "value")
+        critic = Critic(critic_chunks, config.critic_config)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
+    data, gen = config.data, config.generation
+    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.prompt_key, data.answer_key,
+                           data.overlong_prompts)
+    engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, seed=config.seed,
+                        dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
+                        gpu_memory_utilization=gen.gpu_memory_utilization,
+                        max_model_len=data.max_prompt_len + gen.max_new_tokens)
+    sampler = PromptSampler(len(prompts.prompts), data.prompts_per_step, data.seed)
+    states = [actor.state] + ([critic.state] if critic is not None else [])
+    source = ColocatedRollouts(config, engine, load_producer(gen.producer), tokenizer, prompts.prompts,
+                               sampler, load_reward_fn(config.algo.reward), states)
+    run = Run(config, arch, hf_config, actor, critic, source, sampler, flops.device_name())
+    done = checkpoint.load(run, resume_from) if resume_from else 0
+    source.push_weights(actor_chunks, arch)
+    if rank0:
+        resumed = f"; resumed from {resume_from} (step {done})" if resume_from else ""
+        print(f"megarl: {len(prompts.prompts)} prompts ({prompts.dropped_too_long} longer than "
+              f"{data.max_prompt_len} tokens dropped); logs in {config.run_dir}{resumed}", flush=True)
+    return run, done
+
+
+def step(run: Run, number: int) -> StepResult:
+    """One RL step. Collective."""
+    config, actor, critic = run.config, run.actor, run.critic
+    timer = PhaseTimer()
+    flops.reset_peak_memory()
+    with timer("generate"):
+        rollouts = run.source.rollouts(number)
+    batch = rollouts.collected.batch
+    with timer("old_logprobs"):
+        batch = actor.logprobs(batch)
+    if actor.reference is not None:
+        with timer("ref_logprobs"):
+            batch = actor.logprobs(batch, reference=True)
+    if critic is not None:
+        with timer("values"):
+            batch = critic.values(batch)
+    with timer("advantages"):
+        batch = with_advantages(batch, config.algo, config.generation.max_new_tokens)
+    with timer("actor_update"):
+        actor_metrics = actor.update(batch)
+    critic_metrics = {}
+    if critic is not None:
+        with timer("critic_update"):
+            critic_metrics = critic.update(batch)
+    with timer("sync"):
+        run.source.push_weights(actor.state.chunks, run.arch)
+    phases = flops.rl_phases(rollouts.generated_lengths, batch.lengths.tolist(),
+                             reference=actor.reference is not None, critic=critic is not None,
+                             actor_epochs=config.actor.batching.epochs,
+                             critic_epochs=config.critic.batching.epochs)
+    metrics = {**step_metrics(rollouts.collected, batch, config.algo, actor_metrics, critic_metrics, timer),
+               **rollouts.metrics,
+               **flops.throughput_metrics(flops.step_flops(run.arch, phases), timer.seconds,
+                                          config.layout.world_size, run.device),
+               "memory/peak_bytes": max_over_ranks(flops.peak_memory_bytes())}
+    return StepResult(metrics, replace(rollouts, collected=replace(rollouts.collected, batch=batch)))
+
+
+def _report(run: Run, log: MetricsLog, rollouts: Rollouts) -> None:
+    """Where the logs are, the reward trend, and one sample of each of six prompts."""
+    run_dir = run.config.run_dir
+    print(f"megarl: mean reward over the first 10% of steps {log.reward_window(first=True):.3f}, "
+          f"over the last 10% {log.reward_window(first=False):.3f}", flush=True)
+    print(f"megarl: curves in {plot_run(run_dir)}; metrics in {run_dir}/metrics.jsonl, "
+          f"TensorBoard: tensorboard --logdir {run_dir}/tensorboard", flush=True)
+    shown = {}
+    collected = rollouts.collected
+    for group, response, reward in zip(collected.batch.group_ids.tolist(), collected.responses,
+                                       collected.batch.rewards.tolist()):
+        shown.setdefault(group, (response, reward))
+    for group, (response, reward) in list(shown.items())[:6]:
+        print(f"[reward {reward:.1f}] {rollouts.prompts[group].text!r} -> {response!r}", flush=True)
+
+
+def train(config: RunConfig, resume: Optional[str] = None) -> dict:
+    """Run steps up to config.steps, from the checkpoint `resume` names (None, 'auto' or a path);
+    returns the last step's metrics. Collective."""
+    run, done = setup(config, resume)
+    log = MetricsLog(config.run_dir, config.steps, done + 1, enabled=megatron_groups.is_rank0())
+    every = config.checkpoint.every
+    result = None
+    for number in range(done + 1, config.steps + 1):
+        result = step(run, number)
+        log.log(number, result.metrics)
+        if every and (number % every == 0 or number == config.steps):
+            checkpoint.save(run, number, config.checkpoint.keep)
+    log.close()
+    if config.checkpoint.export_hf:
+        export_hf(run.actor.state.chunks, run.arch, run.hf_config, config.model.hf_dir,
+                  os.path.join(config.run_dir, "hf"))
+    if log.enabled and result is not None:
+        _report(run, log, result.rollouts)
+    run.source.shutdown()
+    return result.metrics if result is not None else {}

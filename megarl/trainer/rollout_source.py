@@ -1,0 +1,101 @@
+"""Where a step's rollouts come from: the seam where disaggregated, asynchronous rollout plugs in.
+
+Owns the RolloutSource protocol (a step's scored rollouts; the actor's new weights after its
+update) and today's implementation, ColocatedRollouts: the training ranks themselves generate,
+synchronously, with the hybrid-engine memory handoff around generation, DAPO dynamic sampling's
+extra rounds, and a weight sync into the colocated engine. Does not own generation (the engine
+and its sample producer), scoring (collect.py) or what the step does with the rollouts (loop.py).
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Protocol, Sequence
+
+import torch
+
+from megarl.actor.offload import generation_memory
+from megarl.actor.optimizer import TrainState
+from megarl.algos.shaping import informative_groups
+from megarl.models.hf_config import ModelArch
+from megarl.resharding.sync import sync_weights
+from megarl.rollout.collect import Collected, collect, keep_informative
+from megarl.rollout.engine import RolloutEngine, SamplingConfig
+from megarl.rollout.producer import SampleProducer
+from megarl.rollout.prompts import Prompt, PromptSampler
+from megarl.rollout.rewards import RewardFn
+from megarl.trainer.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    collected: Collected  # scored rollouts, the same on every rank
+    prompts: List[Prompt]  # what the batch's group ids index
+    generated_lengths: List[int]  # every sequence generated this step, kept or not (FLOPs)
+    metrics: dict = field(default_factory=dict)  # the source's own (dynamic sampling, memory)
+
+
+class RolloutSource(Protocol):
+    def rollouts(self, number: int) -> Rollouts:
+        """Step `number`'s scored rollouts. Collective."""
+
+    def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch) -> None:
+        """Make the actor's updated weights (its Megatron chunks) the ones rollouts use next."""
+
+    def shutdown(self) -> None:
+        ...
+
+
+class ColocatedRollouts:
+    """Every training rank also runs (a rank of) a rollout engine; one step generates, then trains."""
+
+    def __init__(self, config: RunConfig, engine: RolloutEngine, producer: SampleProducer, tokenizer,
+                 prompts: List[Prompt], sampler: PromptSampler, reward_fn: RewardFn,
+                 train_states: Sequence[TrainState]):
+        self.config, self.engine, self.producer, self.tokenizer = config, engine, producer, tokenizer
+        self.prompts, self.sampler, self.reward_fn = prompts, sampler, reward_fn
+        self.train_states = list(train_states)
+
+    def _sampling(self, seed: int) -> SamplingConfig:
+        gen = self.config.generation
+        return SamplingConfig(n=gen.samples_per_prompt, temperature=gen.temperature, top_p=gen.top_p,
+                              max_new_tokens=gen.max_new_tokens,
+                              stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed)
+
+    def rollouts(self, number: int) -> Rollouts:
+        """With DAPO dynamic sampling, groups whose rewards are all equal are dropped and more
+        prompts are drawn, up to algo.dynamic_sampling_rounds extra rounds."""
+        # The hybrid-engine handoff: training state off the device, the engine's memory in, and back.
+        with generation_memory(self.train_states, self.engine, self.config.offload_params) as offloaded:
+            rollouts = self._rounds(number)
+        return Rollouts(rollouts.collected, rollouts.prompts, rollouts.generated_lengths,
+                        {**rollouts.metrics, "memory/offloaded_bytes": offloaded})
+
+    def _rounds(self, number: int) -> Rollouts:
+        extra_rounds = self.config.algo.dynamic_sampling_rounds
+        wanted = self.config.data.prompts_per_step
+        parts, prompts, found = [], [], 0
+        for round_ in range(extra_rounds + 1):
+            batch_prompts = [self.prompts[i] for i in self.sampler.next_batch()]
+            sampling = self._sampling(self.config.seed + number * (extra_rounds + 1) + round_)
+            parts.append(collect(self.engine, self.producer, batch_prompts, sampling, self.tokenizer,
+                                 self.reward_fn))
+            prompts += batch_prompts
+            if not extra_rounds:
+                return Rollouts(parts[0], prompts, parts[0].batch.lengths.tolist())
+            batch = parts[-1].batch
+            found += len(torch.unique(batch.group_ids[informative_groups(batch.rewards, batch.group_ids)]))
+            if found >= wanted:
+                break
+        kept = keep_informative(parts, wanted)
+        batch = kept.batch
+        informative = torch.unique(batch.group_ids[informative_groups(batch.rewards, batch.group_ids)])
+        generated = [n for part in parts for n in part.batch.lengths.tolist()]
+        return Rollouts(kept, prompts, generated, {
+            "dynamic_sampling/rounds": len(parts), "dynamic_sampling/informative_groups": found,
+            "dynamic_sampling/uninformative_kept": len(torch.unique(batch.group_ids)) - len(informative)})
+
+    def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch) -> None:
+        self.engine.resume_memory(kv_cache=False)  # weights only: the training state is still here
+        sync_weights(chunks, arch, self.engine, rollout_tp=self.config.layout.rollout_tp)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

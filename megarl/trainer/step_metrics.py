@@ -1,0 +1,49 @@
+"""What one step reports: rewards, response lengths, the rollout/trainer log-prob gap, KL to the
+reference, the update's metrics, phase times, throughput and memory. Pure reads of the trained
+batch and the phases' results; the largest rank's peak memory is the one collective.
+Does not own writing metrics (metrics.py) or FLOP counting (flops.py)."""
+
+import torch
+
+from megarl.algos.kl import kl
+from megarl.batch.rollout_batch import RolloutBatch
+from megarl.parallel_state import megatron_groups
+from megarl.rollout.collect import Collected
+from megarl.trainer.config import AlgoConfig
+from megarl.trainer.metrics import PhaseTimer
+
+
+def rollout_mismatch(batch: RolloutBatch) -> dict:
+    mask = batch.loss_mask.bool()
+    diff = (batch.old_logprobs - batch.rollout_logprobs)[mask].abs()
+    return {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
+
+
+def kl_to_reference(batch: RolloutBatch, algo: AlgoConfig) -> dict:
+    if batch.ref_logprobs is None:
+        return {}
+    per_token = kl(batch.old_logprobs, batch.ref_logprobs, algo.kl_estimator, algo.kl_clamp)
+    return {"kl/actor_to_reference": float((per_token * batch.loss_mask).sum() / batch.loss_mask.sum())}
+
+
+def max_over_ranks(value: int) -> int:
+    """Pipeline stages and expert shards differ in memory: report the largest rank's. Collective."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=megatron_groups.device())
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def step_metrics(collected: Collected, batch: RolloutBatch, algo: AlgoConfig, actor_metrics: dict,
+                 critic_metrics: dict, timer: PhaseTimer) -> dict:
+    """`batch` is the trained one (collected.batch with log-probs, values and advantages)."""
+    return {
+        "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
+        "reward/failures": collected.reward_failures,
+        "response/length_mean": float(batch.loss_mask.sum(1).mean()),
+        "response/truncated": collected.truncated,
+        **rollout_mismatch(batch), **kl_to_reference(batch, algo),
+        **{f"actor/{k}": v for k, v in actor_metrics.items()},
+        **{f"critic/{k}": v for k, v in critic_metrics.items()},
+        **{f"time/{k}": v for k, v in timer.seconds.items()},
+        "throughput/tokens_per_s": float(batch.lengths.sum()) / sum(timer.seconds.values()),
+    }

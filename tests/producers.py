@@ -1,0 +1,17 @@
+"""Test-only sample producers plugged into the loop by name (generation.producer=tests.producers:NAME)."""
+
+import dataclasses
+
+
+class FirstToken:
+    """Each of the engine's completions cut to its first token (with that token's log-prob): a
+    producer whose samples differ visibly from plain completions."""
+
+    def produce(self, engine, prompts, sampling):
+        return [dataclasses.replace(s, response_ids=s.response_ids[:1], logprobs=s.logprobs[:1],
+                                    finish_reason="length")
+                for s in engine.generate(prompts, sampling)]
+
+
+def first_token():
+    return FirstToken()
