@@ -3,9 +3,13 @@ padded vocabulary columns: in process without a group (tp=1) and over a real 2-r
 
 import torch
 
-from megarl.algos.kl import entropy_from_logits
 from megarl.algos.vocab_parallel import logprobs_and_entropy
 from tests.launch import last_json, run
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...]
+    """The reference: logsumexp(x) - sum(softmax(x) * x) over the full vocabulary."""
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
 def test_unsharded_matches_log_softmax_with_padding_masked():

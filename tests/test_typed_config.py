@@ -1,12 +1,13 @@
 """Typed config: YAML + dotted overrides onto the real actor config tree, with clear errors."""
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
 import yaml
 
 from megarl.actor.config import ActorConfig
-from megarl.trainer.typed_config import build, load, to_dict
+from megarl.trainer.typed_config import build, load
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ def test_yaml_then_overrides(tmp_path):
     assert config.actor.policy_loss == "gspo" and config.actor.optim.lr == 2e-6
     assert config.actor.batching.micro_batch_tokens == 4096
     assert config.actor.dual_clip == 3.0 and isinstance(config.actor.dual_clip, float)
-    assert build(Run, to_dict(config)) == config
+    assert build(Run, dataclasses.asdict(config)) == config
 
 
 @pytest.mark.parametrize("overrides,message", [

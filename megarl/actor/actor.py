@@ -17,7 +17,7 @@ from megarl.actor.packing import PackedMicroBatch, unpack_predictions
 from megarl.actor.passes import global_counts, local_micro_batches, mean_over_steps
 from megarl.actor.reference import ReferenceWeights
 from megarl.actor.router_replay import RoutingReplay
-from megarl.actor.schedule import full_pack, run_micro_batches, share_rows, sum_metrics
+from megarl.actor.schedule import forward_only_result, full_pack, run_micro_batches, share_rows, sum_metrics
 from megarl.algos.aggregation import aggregate
 from megarl.algos.kl import kl as kl_estimate
 from megarl.algos.policy_losses import POLICY_LOSSES, truncated_is_weights
@@ -56,7 +56,7 @@ class Actor:
 
     def _report_logprobs(self, mb, output):
         logprobs, _ = self._token_logprobs(mb, output)
-        return output.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"logprobs": logprobs.detach()}
+        return forward_only_result(output, logprobs=logprobs)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, reference: bool = False) -> RolloutBatch:

@@ -33,16 +33,28 @@ def mini_batch_rows(size: int, batching: BatchingConfig) -> List[torch.Tensor]:
 def local_micro_batches(batch: RolloutBatch, rows: torch.Tensor,
                         batching: BatchingConfig) -> List[PackedMicroBatch]:
     """This DP rank's packed micro-batches of the sequences `rows` [m]."""
-    lengths = batch.lengths[rows].tolist()
-    interleaved = megatron_groups.virtual_stages()
-    plan = plan_micro_batches(lengths, megatron_groups.data().size,
-                              batching.micro_batch_tokens, batching.micro_batches,
-                              min_micro_batches=megatron_groups.pipeline().size
-                              if interleaved > 1 else 1)
-    tp, cp = megatron_groups.tensor().size, megatron_groups.context().size
-    return [pack(batch.tokens, batch.lengths, [int(rows[i]) for i in part], tp, cp,
-                 megatron_groups.context().rank)
-            for part in plan[megatron_groups.data().rank]]
+    layout = (megatron_groups.data(), megatron_groups.tensor().size, megatron_groups.context(),
+              megatron_groups.pipeline().size, megatron_groups.virtual_stages())
+    key = (batching, layout, tuple(rows.tolist()))
+    if _last.tokens is batch.tokens and _last.lengths is batch.lengths and _last.key == key:
+        return _last.packs
+    dp, tp, cp, pp, interleaved = layout
+    plan = plan_micro_batches(batch.lengths[rows].tolist(), dp.size, batching.micro_batch_tokens,
+                              batching.micro_batches, min_micro_batches=pp if interleaved > 1 else 1)
+    packs = [pack(batch.tokens, batch.lengths, [int(rows[i]) for i in part], tp, cp.size, cp.rank)
+             for part in plan[dp.rank]]
+    _last.tokens, _last.lengths, _last.key, _last.packs = batch.tokens, batch.lengths, key, packs
+    return packs
+
+
+class _LastPacks:
+    """The forward-only passes of a step (old and reference log-probs, values) pack the same rows
+    of the same batch: the last packing is reused while the batch's token tensors (held here, so
+    their identity cannot be recycled), the rows, the batching and the layout are the same."""
+    tokens = lengths = key = packs = None
+
+
+_last = _LastPacks()
 
 
 def global_counts(batch: RolloutBatch, rows: torch.Tensor, norm_tokens: Optional[int]) -> dict:

@@ -25,6 +25,12 @@ def packed_seq_params(mb: PackedMicroBatch, device) -> PackedSeqParams:
                            max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
 
 
+def forward_only_result(output: torch.Tensor, **reported: torch.Tensor) -> tuple:
+    """What Megatron's schedule takes from a loss function on a forward-only pass: a zero loss
+    tied to the output, a count of one, and the (detached) tensors to report."""
+    return output.sum() * 0.0, torch.tensor(1, dtype=torch.int), {k: v.detach() for k, v in reported.items()}
+
+
 def run_micro_batches(model: List[torch.nn.Module], micro_batches: List[PackedMicroBatch],
                       make_loss: Callable[[PackedMicroBatch], Callable], forward_only: bool,
                       around_forward: Optional[Callable] = None) -> list:

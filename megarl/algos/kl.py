@@ -1,4 +1,4 @@
-"""Per-token KL estimators between the policy and the reference model, and entropy from logits.
+"""Per-token KL estimators between the policy and the reference model.
 
 Owns the estimators k1, k2, k3 (Schulman's naming) and their registry. Does not own masking or
 reducing tokens (aggregation.py), nor whether KL is a reward penalty or a loss term (the caller).
@@ -44,8 +44,3 @@ def kl(logprobs: torch.Tensor,  # [B, T]
     values = pick(KL_ESTIMATORS, estimator, "KL estimator")(logprobs, ref_logprobs)
     return values if clamp is None else values.clamp(-clamp, clamp)
 
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...]
-    """Entropy of softmax(logits) over the full vocabulary: logsumexp(x) - sum(p * x).
-    Logits must be finite; slice padded vocab off first (vocab_parallel.py does it for shards)."""
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)

@@ -13,7 +13,7 @@ from megarl.actor.config import require_norm_tokens
 from megarl.actor.optimizer import TrainState
 from megarl.actor.packing import PackedMicroBatch, unpack_predictions
 from megarl.actor.passes import global_counts, local_micro_batches, mean_over_steps
-from megarl.actor.schedule import full_pack, run_micro_batches, share_rows, sum_metrics
+from megarl.actor.schedule import forward_only_result, full_pack, run_micro_batches, share_rows, sum_metrics
 from megarl.algos.aggregation import aggregate
 from megarl.algos.value_loss import clipped_value_loss
 from megarl.batch.rollout_batch import RolloutBatch
@@ -36,7 +36,7 @@ class Critic:
 
     def _report_values(self, mb, output):
         values = self._token_values(mb, output)
-        return output.sum() * 0.0, torch.tensor(1, dtype=torch.int), {"values": values.detach()}
+        return forward_only_result(output, values=values)
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch) -> RolloutBatch:

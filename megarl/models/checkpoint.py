@@ -27,14 +27,13 @@ def _sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict:
     return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
-def save(chunks: List[torch.nn.Module], out_dir: str, hf_config: Dict, role: str,
-         hf_dir: str = None) -> None:
+def save(chunks: List[torch.nn.Module], out_dir: str, hf_config: Dict, hf_dir: str = None) -> None:
     """Collective over the world: every rank writes its shards."""
     os.makedirs(out_dir, exist_ok=True)
     dist_checkpointing.save(_sharded_state_dict(chunks), out_dir)
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, MODEL_FILE), "w") as f:
-            json.dump({"role": role, "hf_config": hf_config}, f, indent=2)
+            json.dump({"hf_config": hf_config}, f, indent=2)
         if hf_dir:
             assets = os.path.join(out_dir, ASSETS_DIR)
             os.makedirs(assets, exist_ok=True)

@@ -54,7 +54,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str) -> dict:
     arch, dims, partial, chunks = _start(hf_config, out_dir)
     world = dims.world_size
     _, reads = load_hf_weights(chunks, arch, hf_dir)
-    checkpoint.save(chunks, partial, hf_config, role="policy", hf_dir=hf_dir)
+    checkpoint.save(chunks, partial, hf_config, hf_dir=hf_dir)
     _finish(partial, out_dir)
     reads_per_rank = [None] * world
     dist.all_gather_object(reads_per_rank, reads)

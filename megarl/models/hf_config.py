@@ -19,7 +19,8 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
 }
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The model dtypes megarl runs; other modules derive their tables from this one.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class ModelArch:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -129,8 +130,8 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
             raise _unsupported("num_experts_per_tok", 1, "top-k >= 2 when the top-k weights are "
                                "renormalized (Mixtral, norm_topk_prob=true), or norm_topk_prob=false")
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-    if dtype not in _DTYPES:
-        raise _unsupported("dtype", dtype, " or ".join(sorted(_DTYPES)))
+    if dtype not in DTYPES:
+        raise _unsupported("dtype", dtype, " or ".join(sorted(DTYPES)))
     return ModelArch(
         family=family,
         architecture=architecture,

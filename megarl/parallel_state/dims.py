@@ -68,6 +68,12 @@ class ParallelDims:
     def virtual_stages(self) -> int:
         return self.vpp or 1
 
+    def megatron_sizes(self) -> dict:
+        """The keyword arguments Megatron-Core's groups and TransformerConfig both take."""
+        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                    virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
+                    expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.expert_tp)
+
     def describe(self) -> dict:
         return {
             "world_size": self.world_size, "tp": self.tp, "pp": self.pp, "vpp": self.vpp,

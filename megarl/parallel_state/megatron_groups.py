@@ -61,12 +61,7 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(
-        tensor_model_parallel_size=dims.tp,
-        pipeline_model_parallel_size=dims.pp,
-        virtual_pipeline_model_parallel_size=dims.vpp,
-        context_parallel_size=dims.cp,
-        expert_model_parallel_size=dims.ep,
-        expert_tensor_parallel_size=dims.expert_tp,
+        **dims.megatron_sizes(),
         distributed_timeout_minutes=timeout_s / 60,  # Megatron makes a timedelta of it: no rounding
         create_gloo_process_groups=torch.cuda.is_available(),
     )

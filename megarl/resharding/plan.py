@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
 
-_BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+from megarl.models.hf_config import DTYPES
+
+_BYTES = {str(dtype): dtype.itemsize for dtype in DTYPES.values()}  # keyed like Piece.dtype
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
+from megarl.models.hf_config import DTYPES
 from megarl.models.param_layout import join_shards
 from megarl.resharding.plan import Bucket
 
-_DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
-           "torch.float16": torch.float16}
+_DTYPES = {str(dtype): dtype for dtype in DTYPES.values()}  # Piece.dtype -> torch.dtype
 
 
 def fetch_bucket(bucket: Bucket, local: Dict[Tuple[str, int], torch.Tensor],

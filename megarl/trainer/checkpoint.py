@@ -110,10 +110,9 @@ def save(run, step: int, keep: int) -> str:
         os.makedirs(os.path.join(partial, "train_state"))
     dist.barrier()
     model_checkpoint.save(run.actor.state.chunks, os.path.join(partial, "actor"), run.hf_config,
-                          role="policy", hf_dir=config.model.hf_dir)
+                          hf_dir=config.model.hf_dir)
     if run.critic is not None:
-        model_checkpoint.save(run.critic.state.chunks, os.path.join(partial, "critic"), run.hf_config,
-                              role="value")
+        model_checkpoint.save(run.critic.state.chunks, os.path.join(partial, "critic"), run.hf_config)
     torch.save({"actor": _train_state(run.actor.state),
                 "critic": None if run.critic is None else _train_state(run.critic.state),
                 "rng": _rng_states()}, _rank_file(partial))

@@ -4,7 +4,7 @@ frozen dataclasses.
 Owns parsing and checking: unknown keys name the allowed ones, values are checked against the
 field's type (int, float, bool, str, Optional, Tuple, nested dataclass) with the key's full path
 in the message, and each dataclass's own __post_init__ validation runs as it is built: all before
-any process group or engine exists. `to_dict` gives the resolved config to save with a run.
+any process group or engine exists.
 Does not own what the fields mean (each dataclass does).
 """
 
@@ -87,7 +87,3 @@ def load(cls: Type[T], yaml_path: str = None, overrides: List[str] = ()) -> T:
     for dotted in overrides:
         _set_dotted(tree, dotted)
     return build(cls, tree)
-
-
-def to_dict(config) -> Dict[str, Any]:
-    return dataclasses.asdict(config)
