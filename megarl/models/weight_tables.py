@@ -100,19 +100,29 @@ class Entry:
     transform: str
 
 
+def _entry(row: Row, layer=None, expert=None) -> Entry:
+    return Entry(row.megatron.format(layer=layer, expert=expert),
+                 tuple(h.format(layer=layer, expert=expert) for h in row.hf), row.transform)
+
+
 def entries(arch: ModelArch, role: str = "policy") -> Iterator[Entry]:
-    """Every Megatron tensor of the full model, in layer order."""
-    for row in rows(arch, role):
-        if "{expert}" in row.megatron:
-            ids = [(layer, e) for layer in range(arch.num_layers) for e in range(arch.num_experts)]
-        elif "{layer}" in row.megatron:
-            ids = [(layer, None) for layer in range(arch.num_layers)]
-        else:
-            ids = [(None, None)]
-        for layer, expert in ids:
-            yield Entry(row.megatron.format(layer=layer, expert=expert),
-                        tuple(h.format(layer=layer, expert=expert) for h in row.hf),
-                        row.transform)
+    """Every Megatron tensor of the full model, layer by layer: the table's rows before the layers,
+    then each layer's own rows and each of its experts' rows together, then the rows after. A
+    consumer that frees a module's inputs only once the module is complete (vLLM's layerwise
+    reload) so holds at most one layer, never one kind of tensor of every layer."""
+    table = rows(arch, role)
+    per_layer = [i for i, row in enumerate(table) if "{layer}" in row.megatron]
+    if not per_layer:
+        yield from (_entry(row) for row in table)
+        return
+    yield from (_entry(row) for row in table[:per_layer[0]])
+    layer_rows = [table[i] for i in per_layer if "{expert}" not in table[i].megatron]
+    expert_rows = [table[i] for i in per_layer if "{expert}" in table[i].megatron]
+    for layer in range(arch.num_layers):
+        yield from (_entry(row, layer) for row in layer_rows)
+        for expert in range(arch.num_experts if expert_rows else 0):
+            yield from (_entry(row, layer, expert) for row in expert_rows)
+    yield from (_entry(row) for row in table[per_layer[-1] + 1:])
 
 
 _NUMBERS = re.compile(r"^decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\.(\d+)\.)?")

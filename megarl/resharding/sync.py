@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch
+from megarl.parallel_state import device_memory
 from megarl.resharding import metadata, transport
-from megarl.resharding.plan import Piece, build_plan, engine_piece
+from megarl.resharding.plan import Bucket, Piece, build_plan, engine_piece
 from megarl.rollout.engine import RolloutEngine, check_update
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -28,8 +29,10 @@ class SyncReport:
     tensors_local: int        # full Megatron tensors every rank loaded from its own pieces
     buckets: int
     sync_seconds: float
-    peak_extra_bytes: int     # most memory the sync allocated at once (bucket buffers, joined
-                              # full tensors and HF-format copies of one bucket; views are free)
+    peak_extra_bytes: int     # planned: most memory the sync allocated at once (bucket buffers,
+                              # joined full tensors and HF-format copies of one bucket)
+    measured_peak_bytes: int  # measured: this rank's peak extra memory during the sync, the
+                              # engine's own included (parallel_state/device_memory.py)
     model_bytes: int          # all full tensors: what a rank would hold without bucketing
     largest_tensor_bytes: int
 
@@ -53,6 +56,22 @@ def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: Rollout
     for piece in mine:
         held.setdefault(piece.canonical, []).append(piece)
     device = next(chunks[0].parameters()).device
+    with device_memory.measured() as measured:  # the engine's finishing work (repacking) too
+        peak = _stream(plan, arch, engine, local, held, rank, rollout_tp, device)
+        report = check_update(engine.finish_weight_update())
+    return SyncReport(params_synced=report.params_loaded, params_expected=report.params_expected,
+                      tensors_sent=sum(not t.local for b in plan for t in b.tensors),
+                      tensors_local=sum(t.local for b in plan for t in b.tensors),
+                      buckets=len(plan), sync_seconds=time.perf_counter() - start,
+                      peak_extra_bytes=peak, measured_peak_bytes=measured.extra_bytes,
+                      model_bytes=sum(b.nbytes for b in plan),
+                      largest_tensor_bytes=max(t.nbytes for b in plan for t in b.tensors))
+
+
+def _stream(plan: Tuple[Bucket, ...], arch: ModelArch, engine: RolloutEngine,
+            local: Dict[Tuple[str, int], torch.Tensor], held: Dict[str, List[Piece]], rank: int,
+            rollout_tp: Optional[int], device: torch.device) -> int:
+    """Every bucket into the engine, in plan order; returns the planned peak extra bytes."""
     engine.begin_weight_update()
     peak = 0
     for bucket in plan:
@@ -73,13 +92,7 @@ def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: Rollout
         peak = max(peak, allocated)
         engine.load_weights(hf.items())
         del full, hf
-    report = check_update(engine.finish_weight_update())
-    return SyncReport(params_synced=report.params_loaded, params_expected=report.params_expected,
-                      tensors_sent=sum(not t.local for b in plan for t in b.tensors),
-                      tensors_local=sum(t.local for b in plan for t in b.tensors),
-                      buckets=len(plan), sync_seconds=time.perf_counter() - start,
-                      peak_extra_bytes=peak, model_bytes=sum(b.nbytes for b in plan),
-                      largest_tensor_bytes=max(t.nbytes for b in plan for t in b.tensors))
+    return peak
 
 
 def _padded_vocab(arch: ModelArch, pieces: Tuple[Piece, ...]) -> frozenset:

@@ -1,9 +1,10 @@
-"""Model FLOPs of an RL step, FLOPs/s per device, MFU, and peak memory: the throughput numbers
-the loop logs per step.
+"""Model FLOPs of an RL step, FLOPs/s per device and MFU: the throughput numbers the loop logs
+per step.
 
-Owns the FLOPs formula, the table of device peaks and the memory probe. Pure functions of a
-ModelArch and token counts (no Megatron, no process groups): the caller passes sequence lengths,
-seconds and the world size in. Does not own timing (run_metrics.PhaseTimer) nor logging.
+Owns the FLOPs formula and the table of device peaks. Pure functions of a ModelArch and token
+counts (no Megatron, no process groups): the caller passes sequence lengths, seconds and the
+world size in. Does not own timing (metrics.PhaseTimer), logging, or memory
+(parallel_state/device_memory.py).
 
 The formula (model FLOPs, the numerator of MFU as PaLM defines it: Chowdhery et al. 2022,
 "PaLM", Appendix B):
@@ -26,7 +27,6 @@ The formula (model FLOPs, the numerator of MFU as PaLM defines it: Chowdhery et 
   back, and a prompt prefilled once for all its samples (prefix caching) are not subtracted.
 """
 
-import resource
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional
 
@@ -139,17 +139,3 @@ def throughput_metrics(flops: Dict[str, int], seconds: Dict[str, float], world_s
         metrics["throughput/mfu"] = utilization
     return metrics
 
-
-def peak_memory_bytes() -> int:
-    """GPU: the peak of PyTorch's allocator since the last reset_peak_memory() (memory allocated
-    outside it, e.g. NCCL buffers, is not included). CPU: the process's peak resident set since
-    it started (Linux reports ru_maxrss in KiB; it cannot be reset)."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def reset_peak_memory() -> None:
-    """Start a new peak window (per step) on GPU; a no-op on CPU, where the peak is lifetime."""
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()

@@ -1,4 +1,4 @@
-"""The RL loop, one step per iteration, as the README's diagram shows:
+"""The RL loop, one step per iteration:
 generate -> reward -> old/ref log-probs, values -> advantages -> actor/critic update -> sync.
 
 Every rank runs `train` (SPMD): the processes come from torchrun or from Ray (launch.py). Each
@@ -19,13 +19,13 @@ from megarl.models import checkpoint as model_checkpoint
 from megarl.models.builder import build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.models.hf_io import load_hf_weights
-from megarl.parallel_state import megatron_groups
+from megarl.parallel_state import device_memory, megatron_groups
 from megarl.resharding.hf_export import export_hf
 from megarl.rollout.producer import load_producer
 from megarl.rollout.prompts import PromptSampler, load_prompts
 from megarl.rollout.rewards import load_reward_fn
 from megarl.rollout.vllm_engine import VLLMEngine
-from megarl.trainer import checkpoint, flops
+from megarl.trainer import checkpoint, console, flops
 from megarl.trainer.config import AlgoConfig, RunConfig
 from megarl.trainer.metrics import MetricsLog, PhaseTimer
 from megarl.trainer.plots import plot_run
@@ -126,8 +126,8 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
     source.push_weights(actor_chunks, arch)
     if rank0:
         resumed = f"; resumed from {resume_from} (step {done})" if resume_from else ""
-        print(f"megarl: {len(prompts.prompts)} prompts ({prompts.dropped_too_long} longer than "
-              f"{data.max_prompt_len} tokens dropped); logs in {config.run_dir}{resumed}", flush=True)
+        console.say(f"megarl: {len(prompts.prompts)} prompts ({prompts.dropped_too_long} longer "
+                    f"than {data.max_prompt_len} tokens dropped); logs in {config.run_dir}{resumed}")
     return run, done
 
 
@@ -135,7 +135,7 @@ def step(run: Run, number: int) -> StepResult:
     """One RL step. Collective."""
     config, actor, critic = run.config, run.actor, run.critic
     timer = PhaseTimer()
-    flops.reset_peak_memory()
+    device_memory.reset_peak()
     with timer("generate"):
         rollouts = run.source.rollouts(number)
     batch = rollouts.collected.batch
@@ -165,24 +165,25 @@ def step(run: Run, number: int) -> StepResult:
                **rollouts.metrics,
                **flops.throughput_metrics(flops.step_flops(run.arch, phases), timer.seconds,
                                           config.layout.world_size, run.device),
-               "memory/peak_bytes": max_over_ranks(flops.peak_memory_bytes())}
+               "memory/peak_bytes": max_over_ranks(device_memory.peak_bytes())}
     return StepResult(metrics, replace(rollouts, collected=replace(rollouts.collected, batch=batch)))
 
 
 def _report(run: Run, log: MetricsLog, rollouts: Rollouts) -> None:
     """Where the logs are, the reward trend, and one sample of each of six prompts."""
     run_dir = run.config.run_dir
-    print(f"megarl: mean reward over the first 10% of steps {log.reward_window(first=True):.3f}, "
-          f"over the last 10% {log.reward_window(first=False):.3f}", flush=True)
-    print(f"megarl: curves in {plot_run(run_dir)}; metrics in {run_dir}/metrics.jsonl, "
-          f"TensorBoard: tensorboard --logdir {run_dir}/tensorboard", flush=True)
+    first, last = log.reward_window(first=True), log.reward_window(first=False)
+    console.say(f"megarl: mean reward over the first 10% of steps {first:.3f}, over the last 10% "
+                f"{last:.3f}")
+    console.say(f"megarl: curves in {plot_run(run_dir)}; metrics in {run_dir}/metrics.jsonl, "
+                f"TensorBoard: tensorboard --logdir {run_dir}/tensorboard")
     shown = {}
     collected = rollouts.collected
     for group, response, reward in zip(collected.batch.group_ids.tolist(), collected.responses,
                                        collected.batch.rewards.tolist()):
         shown.setdefault(group, (response, reward))
     for group, (response, reward) in list(shown.items())[:6]:
-        print(f"[reward {reward:.1f}] {rollouts.prompts[group].text!r} -> {response!r}", flush=True)
+        console.say(f"[reward {reward:.1f}] {rollouts.prompts[group].text!r} -> {response!r}")
 
 
 def train(config: RunConfig, resume: Optional[str] = None) -> dict:
