@@ -1,11 +1,13 @@
 """Train with PPO/GRPO and friends: `python scripts/train_ppo_moe.py --config configs/NAME.yaml
 key.sub=value ...`. The config is loaded and validated here, before any process starts. Ray
 places layout.world_size workers (a local cluster unless --ray-address names one); under torchrun
-every rank runs the loop directly instead."""
+every rank runs the loop directly instead. The terminal shows megarl's lines, rank 0's progress
+bar and errors; each process's full output goes to run_dir/logs/ (--verbose: to the terminal)."""
 
 import argparse
 import os
 
+from megarl.trainer import console
 from megarl.trainer.config import RunConfig
 from megarl.trainer.preflight import preflight
 from megarl.trainer.typed_config import load
@@ -18,18 +20,27 @@ def main():
     parser.add_argument("--resume", default=None,
                         help="'auto': continue from the newest complete checkpoint in run_dir (start "
                              "fresh if there is none); or a run_dir/checkpoints/step_NNNNNN folder")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every process's output (vLLM, Megatron, torch, Ray) here instead "
+                             "of run_dir/logs/")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
     args = parser.parse_args()
     config = load(RunConfig, args.config, args.overrides)
-    preflight(config)  # a run that cannot work is refused before any process starts
+    # Held for the log: run_dir is made only once the config passed.
+    with console.caught_warnings(args.verbose) as early:
+        preflight(config)  # a run that cannot work is refused before any process starts
     if "RANK" in os.environ:
         from megarl.trainer.loop import train
 
-        train(config, args.resume)
+        rank = int(os.environ["RANK"])
+        with console.output(config.run_dir, f"rank{rank}", args.verbose, early_warnings=early,
+                            tell=rank == 0):
+            train(config, args.resume)
     else:
         from megarl.trainer.launch import launch
 
-        launch(config, args.ray_address, args.resume)
+        with console.output(config.run_dir, "driver", args.verbose, early_warnings=early, tell=True):
+            launch(config, args.ray_address, args.resume, args.verbose)
 
 
 if __name__ == "__main__":

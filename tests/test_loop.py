@@ -60,6 +60,25 @@ def test_ppo_with_critic_on_ray(demo_inputs, tmp_path):
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_console_shows_megarl_lines_and_one_bar_and_the_logs_hold_the_rest(demo_inputs, tmp_path):
+    """A Ray run's terminal: megarl's lines, six samples and one progress bar, the first line naming
+    the log; every process's own output (vLLM, Megatron, torch, Ray) in run_dir/logs/."""
+    run_dir = tmp_path / "run"
+    proc = run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir), timeout=900)
+    # stderr holds the bar alone (its in-place redraws read as lines here: text mode turns \r into \n)
+    bar = [line for line in proc.stderr.split("\n") if line.strip()]
+    assert all(line.startswith("steps:") for line in bar) and "2/2" in bar[-1], bar
+    said = [line for line in proc.stdout.split("\n") if line.strip()]
+    assert len(said) <= 12 and all(line.startswith(("megarl: ", "[reward ")) for line in said), said
+    rank0 = run_dir / "logs" / "rank0.log"
+    assert said[0].startswith("megarl: full logs") and str(rank0) in said[0], said[0]
+    assert sum(line.startswith("[reward ") for line in said) == 6
+    for name in ("rank0", "rank1"):
+        assert re.search(r"INFO .*\[block_pool\.py:\d+\] Successfully reset prefix cache",
+                         (run_dir / "logs" / f"{name}.log").read_text())
+    assert "Started a local Ray instance" in (run_dir / "logs" / "driver.log").read_text()
+
+
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_every_estimator_runs_two_steps(demo_inputs, tmp_path, estimator):
     run_dir = tmp_path / "run"

@@ -6,12 +6,15 @@ each on a GPU cluster), packed so that a node's slots are consecutive ranks, sta
 per slot with the torch.distributed environment (rank, world, local rank, master address and
 port), and waits for all of them. `ray.init()` starts a local cluster when there is none;
 `ray_address` joins an existing one (e.g. the one a Slurm job started).
+Unless verbose, each worker writes its output to run_dir/logs/rank<R>.log and Ray forwards none of
+it: rank 0's megarl lines and progress come through a queue and the driver draws them (console.py).
 Does not own the loop (loop.py).
 """
 
 import os
 from typing import Optional, Tuple
 
+from megarl.trainer import console
 from megarl.trainer.config import RunConfig
 
 
@@ -34,40 +37,53 @@ class _Worker:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def train(self, config: RunConfig, resume: Optional[str]) -> dict:
+    def train(self, config: RunConfig, resume: Optional[str], verbose: bool, inbox) -> dict:
+        """The loop, its output in this rank's log; megarl's lines to `inbox` (rank 0) if given."""
         from megarl.trainer.loop import train
 
-        return train(config, resume)
+        rank = os.environ["RANK"]
+        with console.output(config.run_dir, f"rank{rank}", verbose, forward=inbox):
+            return train(config, resume)
 
 
-def _results(ray, refs: list, run_dir: str) -> dict:
-    """Rank 0's result once every worker has finished. The first worker to fail ends the run at
-    once: the others would otherwise wait in a collective for it until the process-group timeout."""
+def _results(ray, refs: list, run_dir: str, inbox) -> dict:
+    """Rank 0's result once every worker has finished, drawing what rank 0 sends to `inbox` (a
+    queue, or None) meanwhile. The first worker to fail ends the run at once: the others would
+    otherwise wait in a collective for it until the process-group timeout."""
     from megarl.trainer.checkpoint import complete_checkpoints
 
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        done, pending = ray.wait(pending, num_returns=1, timeout=None if inbox is None else 0.25)
+        if inbox is not None:
+            console.draw(inbox.get_nowait_batch(inbox.qsize()))
+        if not done:
+            continue
         try:
             ray.get(done[0])
         except Exception as error:  # the worker raised (RayTaskError), or its process died
             cause = getattr(error, "cause", None) or error
             last_line = (str(cause).strip().splitlines() or [""])[-1]
             newest = (complete_checkpoints(run_dir) or ["none"])[-1]
-            raise RuntimeError(f"worker rank {refs.index(done[0])} failed ({type(cause).__name__}: "
-                               f"{last_line}); newest complete checkpoint: {newest}; continue with "
-                               "--resume auto") from error
+            rank = refs.index(done[0])
+            log = "" if inbox is None else f"; its full log: {console.log_path(run_dir, f'rank{rank}')}"
+            raise RuntimeError(f"worker rank {rank} failed ({type(cause).__name__}: {last_line}); "
+                               f"newest complete checkpoint: {newest}; continue with --resume auto"
+                               f"{log}") from error
     return ray.get(refs[0])
 
 
-def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optional[str] = None) -> dict:
-    """Run the loop on `config.layout.world_size` Ray workers; returns rank 0's last metrics."""
+def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optional[str] = None,
+           verbose: bool = False) -> dict:
+    """Run the loop on `config.layout.world_size` Ray workers; returns rank 0's last metrics.
+    `verbose`: every worker's output forwarded to this terminal, as Ray does by default."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.queue import Queue
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     world = config.layout.world_size
-    ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+    ray.init(address=ray_address, include_dashboard=False, log_to_driver=verbose)
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     slot = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
     available = ray.cluster_resources().get("GPU" if gpus else "CPU", 0)
@@ -88,7 +104,11 @@ def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optiona
         local_ranks = [nodes[:rank].count(node) for rank, node in enumerate(nodes)]
         ray.get([w.setup.remote(rank, world, local_ranks[rank], master, port)
                  for rank, w in enumerate(workers)])
-        return _results(ray, [w.train.remote(config, resume) for w in workers], config.run_dir)
+        # No CPU of its own: the placement group may hold every one.
+        inbox = None if verbose else Queue(actor_options={"num_cpus": 0})
+        refs = [w.train.remote(config, resume, verbose, inbox if rank == 0 else None)
+                for rank, w in enumerate(workers)]
+        return _results(ray, refs, config.run_dir, inbox)
     finally:
         for w in workers:
             ray.kill(w)

@@ -1,6 +1,7 @@
 """Per-step observability of a run: phase timers, metrics.jsonl, TensorBoard, a progress bar.
 
-Owns writing (rank 0 only) and timing; the loop decides what to measure.
+Owns writing (rank 0 only) and timing; the loop decides what to measure, console.py where the
+bar and lines are drawn.
 """
 
 import contextlib
@@ -8,6 +9,8 @@ import json
 import os
 import time
 from typing import Dict
+
+from megarl.trainer import console
 
 
 class PhaseTimer:
@@ -34,21 +37,20 @@ def _drop_steps_from(path: str, first_step: int) -> None:
 
 
 class MetricsLog:
-    """metrics.jsonl + TensorBoard event files in run_dir, and a tqdm bar with reward and ETA."""
+    """metrics.jsonl + TensorBoard event files in run_dir, and the console's bar with reward and ETA."""
 
     def __init__(self, run_dir: str, total_steps: int, first_step: int, enabled: bool):
         self.enabled = enabled
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
-        from tqdm import tqdm
 
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         _drop_steps_from(self.path, first_step)
         # purge_step hides events a killed run logged past its last checkpoint.
         self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=first_step)
-        self.bar = tqdm(total=total_steps, initial=first_step - 1, desc="steps", unit="step")
+        console.start_bar(total_steps, first_step - 1)
 
     def log(self, step: int, metrics: Dict[str, float]) -> None:
         if not self.enabled:
@@ -60,10 +62,9 @@ class MetricsLog:
         self.writer.flush()
         skipped = {k: v for k, v in metrics.items() if k.endswith("/skipped") and v}
         if skipped:
-            self.bar.write(f"megarl: step {step}: optimizer steps skipped for non-finite loss or "
-                           f"gradients (fraction per model: {skipped}); the weights were not changed")
-        self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-        self.bar.update(1)
+            console.say(f"megarl: step {step}: optimizer steps skipped for non-finite loss or "
+                        f"gradients (fraction per model: {skipped}); the weights were not changed")
+        console.advance(reward=f"{metrics['reward/mean']:.3f}")
 
     def reward_window(self, first: bool) -> float:
         """Mean reward over the first (or last) 10% of the steps logged (at least one)."""
@@ -75,5 +76,5 @@ class MetricsLog:
 
     def close(self) -> None:
         if self.enabled:
-            self.bar.close()
+            console.end_bar()
             self.writer.close()
