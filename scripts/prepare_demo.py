@@ -10,6 +10,7 @@ import sys
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
+from megarl.trainer import console
 
 
 def main():
@@ -19,7 +20,14 @@ def main():
     parser.add_argument("--max-operand", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-steps", type=int, default=8, help="warm-start steps (0: random model)")
+    parser.add_argument("--verbose", action="store_true", help="print the libraries' output here instead "
+                                                                "of OUT/logs/prepare.log")
     args = parser.parse_args()
+    with console.output(args.out, "prepare", args.verbose):
+        prepare(args)
+
+
+def prepare(args) -> None:
     records = arithmetic_records(args.prompts, args.max_operand, args.seed)
     model_dir = os.path.join(args.out, "model")
     os.makedirs(args.out, exist_ok=True)
@@ -39,8 +47,9 @@ def main():
                     "--hf-dir", model_dir, "--out", os.path.join(args.out, "megatron")],
                    check=True, stdout=sys.stderr,
                    env={k: v for k, v in os.environ.items() if k not in launcher})
-    print(f"demo inputs in {args.out}: {len(records)} prompts, vocab {len(tokenizer)}, "
-          f"{args.sft_steps} warm-start steps (answer NLL {nll[0]:.2f} -> {nll[-1]:.2f})")
+    console.say(f"megarl: demo inputs in {args.out}: {len(records)} prompts, vocab {len(tokenizer)}, "
+                f"{args.sft_steps} warm-start steps (answer NLL {nll[0]:.2f} -> {nll[-1]:.2f}); "
+                f"log in {console.log_path(args.out, 'prepare')}")
 
 
 def warm_start(model_dir: str, tokenizer, records, steps: int, seed: int):
