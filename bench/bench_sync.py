@@ -362,14 +362,14 @@ def _time_naive(chunks, arch, engine, repeats: int) -> Tuple[float, int]:
     return statistics.median([_timed(naive_sync) for _ in range(repeats)]), held[-1]
 
 
-def _logprob_diff(chunks, arch, engine, dims) -> float:
+def _logprob_diff(chunks, arch, engine) -> float:
     """Max |vLLM log-prob - actor log-prob| over sampled tokens, as scripts/verify_sync.py."""
     from megarl.checks import weight_sync as verify
 
     prompts = verify.fixed_prompts(arch.vocab_size, 4, seed=0)
     mine = [prompts[i] for i in engine.placement.share(len(prompts))]
     samples = verify.all_samples(engine.generate(mine, verify.default_sampling(8, 0)))
-    return verify.actor_logprob_diff(chunks, arch, samples, 2 * dims.tp * dims.cp)
+    return verify.actor_logprob_diff(verify.checking_actor(chunks, arch), samples)
 
 
 def worker(args) -> None:
@@ -402,7 +402,7 @@ def worker(args) -> None:
     element = torch.empty(0, dtype=arch.torch_dtype).element_size()
     result["params"] = result["model_bytes"] // element
     if args.logprob_check:
-        result["max_abs_logprob_diff"] = _logprob_diff(chunks, arch, vllm, dims)
+        result["max_abs_logprob_diff"] = _logprob_diff(chunks, arch, vllm)
 
     floor = torch.zeros(2, dtype=torch.float64)
     if dist.get_rank() == 0:  # alone: the others wait in the barrier. More repeats: it is cheap.

@@ -52,14 +52,13 @@ def main():
     prompts = verify.fixed_prompts(arch.vocab_size, args.prompts, args.seed)
     mine = [prompts[i] for i in engine.placement.share(len(prompts))]
     sampling = verify.default_sampling(args.max_new_tokens, args.seed)
-    multiple = 2 * dims.tp * dims.cp
+    actor = verify.checking_actor(chunks, arch)
 
-    before = verify.actor_logprob_diff(
-        chunks, arch, verify.all_samples(engine.generate(mine, sampling)), multiple)
+    before = verify.actor_logprob_diff(actor, verify.all_samples(engine.generate(mine, sampling)))
     report = sync_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20),
                           rollout_tp=args.rollout_tp)
     samples = verify.all_samples(engine.generate(mine, sampling))
-    after = verify.actor_logprob_diff(chunks, arch, samples, multiple)
+    after = verify.actor_logprob_diff(actor, samples)
     result = {"layout": dims.describe(), "rollout_tp": args.rollout_tp, "family": arch.family,
               "max_abs_logprob_diff": after, "max_abs_logprob_diff_before_sync": before,
               "params_synced": report.params_synced, "params_expected": report.params_expected,

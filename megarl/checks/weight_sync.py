@@ -1,7 +1,9 @@
 """End-to-end check of a weight sync: perturb the actor as training would, sync, generate, and
 compare the rollout engine's sampled-token log-probs with the actor's teacher-forced ones.
 
-Owns the machinery behind scripts/verify_sync.py and the resharding tests.
+Owns the machinery behind scripts/verify_sync.py and the resharding tests. The actor's side is
+`Actor.logprobs` on the samples laid out as the trainer lays them out (rollout.collect.to_batch),
+so the check covers the path training takes. Does not own the sync (resharding) or generation.
 """
 
 import zlib
@@ -10,11 +12,13 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from megarl.checks import parity
+from megarl.actor.actor import Actor
+from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch
 from megarl.models.param_layout import param_slots
 from megarl.parallel_state import megatron_groups
+from megarl.rollout.collect import to_batch
 from megarl.rollout.engine import RolloutSample, SamplingConfig
 
 
@@ -45,24 +49,19 @@ def all_samples(mine: List[RolloutSample]) -> List[RolloutSample]:
     return samples
 
 
-def actor_logprob_diff(chunks, arch: ModelArch, samples: List[RolloutSample], multiple: int) -> float:
-    """Max |rollout log-prob - actor teacher-forced log-prob| over all sampled tokens. Collective."""
-    length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    length = -(-length // multiple) * multiple
-    tokens = torch.zeros(len(samples), length, dtype=torch.long)  # right padding: causal, unseen
-    for i, s in enumerate(samples):
-        ids = s.prompt_ids + s.response_ids
-        tokens[i, :len(ids)] = torch.tensor(ids)
-    result = parity.megatron_run(chunks, arch, tokens, backward=False)
-    diff = torch.zeros(1, dtype=torch.float64)
-    if megatron_groups.is_last_stage():
-        for i, s in enumerate(samples):
-            start = len(s.prompt_ids) - 1  # position p predicts token p + 1
-            positions = torch.arange(start, start + len(s.response_ids))
-            actor = result.logprobs[i, positions, torch.tensor(s.response_ids)]
-            diff[0] = max(diff[0], float((actor.double() - s.logprobs.double()).abs().max()))
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    return float(diff[0])
+def checking_actor(chunks: List[torch.nn.Module], arch: ModelArch) -> Actor:
+    """An Actor over `chunks` for its log-probs only (it never steps). The interleaved pipeline
+    schedule needs at least as many micro-batches as pipeline stages."""
+    pp = megatron_groups.pipeline().size
+    return Actor(chunks, arch, ActorConfig(batching=BatchingConfig(micro_batches=pp)))
+
+
+def actor_logprob_diff(actor: Actor, samples: List[RolloutSample]) -> float:
+    """Max |rollout log-prob - actor log-prob| over all sampled tokens. Collective."""
+    batch = to_batch(samples, rewards=torch.zeros(len(samples)))
+    ours = actor.logprobs(batch).old_logprobs  # [N, L]
+    sampled = batch.loss_mask.bool()
+    return float((ours.double() - batch.rollout_logprobs.double())[sampled].abs().max())
 
 
 def fixed_prompts(vocab_size: int, count: int, seed: int = 0) -> List[List[int]]:

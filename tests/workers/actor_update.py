@@ -7,29 +7,47 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
 from synthetic_batch import synthetic_batch  # noqa: I001 (next to this script)
 
 from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.actor.optimizer import OptimConfig
-from megarl.checks import parity
 from megarl.critic.config import CriticConfig
 from megarl.critic.critic import Critic
 from megarl.models import checkpoint
 from megarl.models.builder import build_model
 from megarl.models.hf_config import arch_from_hf_config
 from megarl.models.hf_io import gather_hf_tensors
+from megarl.models.portable_layers import cp_positions
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 
 
 def padded_logprobs(chunks, arch, batch):
-    """Reference: a padded [N, L] forward (no packing), log-prob of each token from position i-1."""
-    result = parity.megatron_run(chunks, arch, batch.tokens, backward=False, micro_batches=2)
-    if result.logprobs is None:
+    """Reference for the packed path: one padded [N, L] forward of the whole batch (Megatron's
+    causal mask, no packing, no schedule), log-prob of each token from position i-1. Pipeline
+    size 1 only; with a pipeline rank 0 holds no logits, and the test skips those layouts."""
+    if megatron_groups.pipeline().size > 1:
         return None
-    picked = result.logprobs[:, :-1].gather(-1, batch.tokens[:, 1:, None])[..., 0]
-    return torch.cat([torch.zeros(batch.size, 1), picked], 1)
+    cp, width = megatron_groups.context(), batch.width
+
+    def columns(rank):  # the columns CP rank `rank` holds: Megatron's load-balanced split
+        return cp_positions(width // cp.size, rank, cp.size, None) if cp.size > 1 else torch.arange(width)
+
+    chunks[0].eval()
+    with torch.no_grad():
+        logits = chunks[0](batch.tokens[:, columns(cp.rank)], None, None)  # [N, L/cp, V/tp]
+    full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :arch.vocab_size]
+    targets = torch.roll(batch.tokens, -1, 1)[:, columns(cp.rank)]  # the token each column predicts
+    mine = torch.log_softmax(full.float(), -1).gather(-1, targets[..., None])[..., 0]  # [N, L/cp]
+    parts = [torch.empty_like(mine) for _ in range(cp.size)]
+    dist.all_gather(parts, mine, group=cp.group)
+    picked = torch.empty(batch.size, width)
+    for rank, part in enumerate(parts):
+        picked[:, columns(rank)] = part
+    return torch.cat([torch.zeros(batch.size, 1), picked[:, :-1]], 1)
 
 
 def actor_case(args, dims, megatron_dir, batching, actor_overrides):
