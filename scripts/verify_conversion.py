@@ -3,9 +3,9 @@
   torchrun --nproc-per-node N scripts/verify_conversion.py --hf-dir IN --megatron-dir M \\
       --tp A --pp B --ep C --cp D [--etp E] [--vpp V] [--grads] [--dump FILE]
 
-Loads M at the layout, runs a forward (and with --grads a backward) on fixed token batches,
-and compares log-softmax, loss and full-parameter gradients with an HF transformers forward and
-backward of IN. The last line printed is one JSON object.
+Loads M at the layout, runs the actor's forward (and with --grads its backward) on fixed token
+batches, and compares next-token log-probs, loss and full-parameter gradients with an HF
+transformers forward and backward of IN. The last line printed is one JSON object.
 """
 
 import argparse
