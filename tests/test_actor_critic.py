@@ -26,15 +26,16 @@ CASES = {
     "dense_algo": (DENSE, STEPS, ALGO),
     "moe": (MOE, {}, {}),
     "moe_replay": (MOE, {}, REPLAY),
+    "dense_unclipped": (DENSE, {}, {"optim": {"clip_grad": 0.0}}),
 }
 # layout name -> (nproc, ParallelDims fields, case -> batching used at that layout)
 LAYOUTS = {
     "single": (1, {}, {"dense": {}, "dense_tokens": {"micro_batch_tokens": 64}, "dense_algo": STEPS,
-                       "moe": {}, "moe_replay": {}}),
+                       "moe": {}, "moe_replay": {}, "dense_unclipped": {}}),
     "tp2": (2, {"tp": 2}, {"dense": {}, "moe_replay": {"micro_batch_tokens": 96}}),
     "pp2": (2, {"pp": 2}, {"dense": {"micro_batches": 3}, "moe": {"micro_batch_tokens": 96}}),
     "ep2": (2, {"ep": 2}, {"moe": {"micro_batch_tokens": 96}, "moe_replay": {}}),
-    "dp2": (2, {}, {"dense": {"micro_batch_tokens": 96}, "dense_algo": STEPS}),
+    "dp2": (2, {}, {"dense": {"micro_batch_tokens": 96}, "dense_algo": STEPS, "dense_unclipped": {}}),
     "cp2": (2, {"cp": 2}, {"dense": {}, "dense_algo": STEPS}),
     "tp2pp2": (4, {"tp": 2, "pp": 2}, {"dense": {"micro_batches": 2}, "moe": {"micro_batches": 2}}),
     "pp2vpp2": (2, {"pp": 2, "vpp": 2}, {"dense": {"micro_batches": 2}}),
@@ -87,6 +88,14 @@ def test_update_moves_the_policy(updates, case):
     assert (result["logprobs_after"] - result["old_logprobs"])[mask].abs().max() > 1e-2
     assert torch.equal(result["reference_after"], result["old_logprobs"])
     assert torch.equal(result["after_again"], result["logprobs_after"])
+
+
+def test_unclipped_update_reports_the_gradient_norm(updates):
+    """clip_grad=0 turns clipping off (Megatron then measures no norm): the reported norm is the
+    same pre-clip norm the clipped run reports."""
+    clipped, free = updates["single"]["dense"], updates["single"]["dense_unclipped"]
+    assert free["metrics"]["grad_norm"] == pytest.approx(clipped["metrics"]["grad_norm"], rel=1e-6)
+    assert clipped["metrics"]["grad_norm"] > 1.0  # so clip_grad=1 did clip the other run
 
 
 @pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout not in ("pp2", "tp2pp2",

@@ -83,7 +83,7 @@ class TrainState:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=config.use_distributed_optimizer)
-        self.chunks = chunks
+        self.chunks, self.clip_grad = chunks, config.clip_grad
         self.model = [DistributedDataParallel(model_config, ddp_config, c) for c in chunks]
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=config.lr, min_lr=config.min_lr,
@@ -117,6 +117,8 @@ class TrainState:
             return outputs, float("nan"), lr, True
         # Megatron skips by itself only where it scales losses (fp16's overflow check).
         updated, grad_norm, _ = self.optimizer.step()
+        if not self.clip_grad:  # Megatron measures the norm only to clip (None or 0.0 otherwise)
+            grad_norm = self.optimizer.get_grad_norm()
         if updated:
             self.scheduler.step(increment=1)
         return outputs, float(grad_norm), lr, not updated

@@ -56,9 +56,9 @@ def actor_case(args, dims, megatron_dir, batching, actor_overrides):
     checkpoint.load(chunks, megatron_dir)
     batch = synthetic_batch(arch.vocab_size, max_len=args.max_len)
     padded = padded_logprobs(chunks, arch, batch)
-    config = ActorConfig(batching=batching, optim=OptimConfig(lr=args.lr, clip_grad=args.clip_grad,
-                                                                   adam_eps=args.adam_eps),
-                         **actor_overrides)
+    optim = {"lr": args.lr, "clip_grad": args.clip_grad, "adam_eps": args.adam_eps,
+             **actor_overrides.pop("optim", {})}
+    config = ActorConfig(batching=batching, optim=OptimConfig(**optim), **actor_overrides)
     initial = gather_hf_tensors(chunks, arch)
     actor = Actor(chunks, arch, config)
     actor.snapshot_reference()
