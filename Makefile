@@ -1,5 +1,5 @@
-# megarl quick start:  make demo  |  make test
-# Both create .venv when missing and install everything the project needs; a second run
+# megarl quick start:  make demo  |  make test-quick (unit tier, ~1 min)  |  make test (everything)
+# Each creates .venv when missing and install everything the project needs; a second run
 # reinstalls only when setup.py or the lock file changed.
 
 PYTHON ?= python3
@@ -12,7 +12,7 @@ LOCK := $(if $(findstring gpu,$(EXTRAS)),,-c requirements/cpu-lock.txt)
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: demo-conversion install test lint demo bench lock clean
+.PHONY: demo-conversion install test test-quick lint demo bench lock clean
 
 install: $(STAMP)
 
@@ -25,9 +25,14 @@ $(STAMP): setup.py requirements/cpu-lock.txt
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
+# Tiers (tests/conftest.py, TIERS): unit, distributed, e2e. test-quick runs the unit tier only.
 test: install
 	$(BIN)/ruff check megarl scripts tests bench
 	$(BIN)/python -m pytest tests
+
+test-quick: install
+	$(BIN)/ruff check megarl scripts tests bench
+	$(BIN)/python -m pytest -m unit tests
 
 lint: install
 	$(BIN)/ruff check megarl scripts tests bench
@@ -40,16 +45,19 @@ bench: install
 	@$(BIN)/python bench/bench_train.py --quick
 	@$(BIN)/python bench/bench_step.py --quick
 
-# Until the trainer lands: make a tiny Qwen3-MoE, convert it with 2 ranks, check it against HF
-# transformers at TP2 x EP2 (log-probs, loss, gradients), export it back and check bit-exactness,
-# then perturb the actor, sync it into a colocated vLLM (rollout TP2) and check vLLM's log-probs.
-DEMO := runs/demo_conversion
+# The CPU demo: the task's inputs (a tiny Qwen3-MoE warm-started on small additions, its Megatron
+# conversion, the prompts) in runs/demo_inputs, then PPO (GAE + critic) at EP2 on Ray with vLLM
+# rollouts (configs/demo_cpu.yaml); logs, metrics and curves in runs/demo.
 demo: install
 	rm -rf runs/demo runs/demo_inputs
 	$(BIN)/python scripts/prepare_demo.py --out runs/demo_inputs
 	$(BIN)/python scripts/train_ppo_moe.py --config configs/demo_cpu.yaml
 
-# Conversion and weight-sync checks on a tiny random Qwen3-MoE (also covered by make test).
+# Conversion and weight-sync checks on a tiny random Qwen3-MoE (also covered by make test): make
+# it, convert it with 2 ranks, check it against HF transformers at TP2 x EP2 (log-probs, loss,
+# gradients), export it back and check bit-exactness, then perturb the actor, sync it into a
+# colocated vLLM (rollout TP2) and check vLLM's log-probs.
+DEMO := runs/demo_conversion
 demo-conversion: install
 	rm -rf $(DEMO) && mkdir -p $(DEMO)
 	$(BIN)/python scripts/make_tiny_model.py --model qwen3_moe --out $(DEMO)/hf

@@ -1,11 +1,85 @@
-"""Shared fixtures, made once per session: tiny HF checkpoints of every family and variant, their
-Megatron conversions (made with the user-facing converter script), and the demo's inputs."""
+"""Test tiers, and shared fixtures made once per session: tiny HF checkpoints of every family and
+variant, their Megatron conversions (made with the user-facing converter script), and the demo's
+inputs."""
 
 import os
 
 import pytest
 
 from tests.launch import run
+
+# Tiers (markers registered in pytest.ini): `pytest -m unit` is `make test-quick`.
+UNIT = "unit"  # in this process only: no subprocess, no process group, no vLLM; seconds
+DISTRIBUTED = "distributed"  # launches gloo worlds or megarl's tools (tests/workers/*, converters)
+E2E = "e2e"  # vLLM, the training loop, Ray, Slurm: scripts end to end
+# Every test module's tier, by module name: a tier, or (the module's tier, {test function: its tier})
+# for a module that mixes tiers. A module missing here fails collection, so each new one gets a tier.
+TIERS = {
+    "test_actor_critic": DISTRIBUTED,
+    "test_algos_advantage_step": UNIT,
+    "test_algos_advantages": UNIT,
+    "test_algos_losses": UNIT,
+    "test_algos_shaping": UNIT,
+    "test_algos_vocab_parallel": (UNIT, {"test_two_rank_gloo_group_matches_full_log_softmax": DISTRIBUTED}),
+    "test_architecture": UNIT,
+    "test_checkpoint_files": (DISTRIBUTED, {"test_missing_and_truncated_hf_shards": UNIT}),
+    "test_collective_timeout": DISTRIBUTED,
+    "test_config_keys": UNIT,
+    "test_conversion": DISTRIBUTED,
+    "test_conversion_fuzz": DISTRIBUTED,
+    "test_cpu_compat": UNIT,
+    "test_device_memory": UNIT,
+    "test_dynamic_sampling": UNIT,
+    "test_hf_config": UNIT,
+    "test_layout_parity": DISTRIBUTED,
+    "test_loop": E2E,
+    "test_nonfinite": DISTRIBUTED,
+    "test_offload": E2E,  # its launches hand memory over to a real vLLM engine
+    "test_packing": UNIT,
+    "test_parallel_dims": UNIT,
+    "test_presets": UNIT,
+    "test_prompts": UNIT,
+    "test_resharding_plan": UNIT,
+    "test_rewards": UNIT,
+    "test_rollout_engine": (UNIT, {"test_sampling_parameters_reach_vllm": E2E}),
+    "test_slurm": E2E,
+    "test_trainer_checkpoint": UNIT,
+    "test_trainer_flops": UNIT,
+    "test_typed_config": UNIT,
+    "test_value_model": DISTRIBUTED,
+    "test_weight_sync": (E2E, {"test_stale_shared_memory_segments_are_removed": UNIT}),
+    "test_weight_transforms": UNIT,
+}
+
+
+def _tiers(module: str):
+    """(the module's tier, {test function: tier}) as TIERS gives them."""
+    entry = TIERS[module]
+    return entry if isinstance(entry, tuple) else (entry, {})
+
+
+class _Untiered(pytest.Module):
+    def collect(self):
+        raise self.CollectError(
+            f"{self.path.name} has no test tier: add {self.path.stem!r} to TIERS in tests/conftest.py "
+            f"({UNIT}, {DISTRIBUTED} or {E2E}; see the Testing section of the README)")
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if module_path.stem not in TIERS:
+        return _Untiered.from_parent(parent, path=module_path)
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        default, tests = _tiers(item.path.stem)
+        stale = sorted(name for name in tests if not hasattr(item.module, name))
+        if stale:
+            raise pytest.UsageError(f"TIERS in tests/conftest.py names tests that {item.path.name} does "
+                                    f"not have: {stale}")
+        item.add_marker(getattr(pytest.mark, tests.get(getattr(item, "originalname", item.name), default)))
 
 # Every family, plus the variants that break naive code (tied embeddings, one KV head).
 MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1"]

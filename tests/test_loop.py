@@ -51,6 +51,9 @@ def _check_steps(steps, critic: bool):
 
 
 def test_ppo_with_critic_on_ray(demo_inputs, tmp_path):
+    """PPO with a critic on 2 Ray workers; its terminal holds megarl's lines, six samples and one
+    progress bar, the first line naming the log, and every process's own output (vLLM, Megatron,
+    torch, Ray) is in run_dir/logs/."""
     run_dir = tmp_path / "run"
     proc = run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir), timeout=900)
     _check_steps(_steps(run_dir), critic=True)
@@ -58,13 +61,6 @@ def test_ppo_with_critic_on_ray(demo_inputs, tmp_path):
     assert saved["algo"]["advantage"] == "gae" and saved["layout"]["ep"] == 2
     assert f"logs in {run_dir}" in proc.stdout + proc.stderr
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_console_shows_megarl_lines_and_one_bar_and_the_logs_hold_the_rest(demo_inputs, tmp_path):
-    """A Ray run's terminal: megarl's lines, six samples and one progress bar, the first line naming
-    the log; every process's own output (vLLM, Megatron, torch, Ray) in run_dir/logs/."""
-    run_dir = tmp_path / "run"
-    proc = run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir), timeout=900)
     # stderr holds the bar alone (its in-place redraws read as lines here: text mode turns \r into \n)
     bar = [line for line in proc.stderr.split("\n") if line.strip()]
     assert all(line.startswith("steps:") for line in bar) and "2/2" in bar[-1], bar
@@ -284,3 +280,18 @@ def test_killed_driver_does_not_break_the_next_run(demo_inputs, tmp_path):
     while dead_run & ray_pids():
         assert time.time() < deadline, f"Ray processes outlived their driver: {dead_run & ray_pids()}"
         time.sleep(1)
+
+
+def test_demo_reward_rises(demo_inputs, tmp_path):
+    """The demo task is learned: 30 steps of configs/demo_cpu.yaml's PPO (GAE + critic, 32 prompts
+    x 4 samples a step; fewer prompts were too noisy to tell in 30 steps) at world size 1 without
+    torchrun. The mean reward of the last 10 steps beats the first 5 steps' by at least 0.08: over
+    seeds 0-5 the rise measured 0.16-0.29 (mean 0.22, sd 0.05); seed 0 (this run) repeats exactly."""
+    run_dir = tmp_path / "run"
+    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "steps=30", "layout.world_size=1",
+                                           "layout.ep=1", "checkpoint.every=0", "checkpoint.export_hf=false"),
+        nproc=1, timeout=900, env=_one_rank())
+    rewards = [s["reward/mean"] for s in _steps(run_dir)]
+    assert len(rewards) == 30
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    assert last - first >= 0.08, f"reward {first:.3f} (steps 1-5) -> {last:.3f} (steps 21-30): {rewards}"

@@ -1,0 +1,65 @@
+"""The run config's keys, frozen: every dotted key of RunConfig (the YAML sections and the
+command-line overrides users write) equals the list below, so renaming or removing a key, which
+breaks users' configs and commands, is a deliberate change that shows in review."""
+
+import dataclasses
+import typing
+
+from megarl.trainer.config import RunConfig
+
+KEYS = [
+    "run_dir", "steps", "seed", "offload_params", "collective_timeout_s",
+    "model.hf_dir", "model.megatron_dir",
+    "data.path", "data.prompt_key", "data.answer_key", "data.max_prompt_len", "data.overlong_prompts",
+    "data.prompts_per_step", "data.seed",
+    "layout.world_size", "layout.tp", "layout.pp", "layout.cp", "layout.ep", "layout.etp", "layout.vpp",
+    "layout.rollout_tp",
+    "generation.samples_per_prompt", "generation.temperature", "generation.top_p",
+    "generation.max_new_tokens", "generation.producer", "generation.kv_cache_gib",
+    "generation.gpu_memory_utilization",
+    "algo.advantage", "algo.gamma", "algo.lam", "algo.eps", "algo.whiten_advantages", "algo.lone_groups",
+    "algo.kl_reward_coeff", "algo.kl_estimator", "algo.kl_clamp", "algo.reward", "algo.overlong_buffer",
+    "algo.overlong_penalty", "algo.dynamic_sampling_rounds",
+    "actor.policy_loss", "actor.eps_clip_low", "actor.eps_clip_high", "actor.dual_clip", "actor.aggregation",
+    "actor.norm_tokens", "actor.entropy_coeff", "actor.kl_loss_coeff", "actor.kl_estimator", "actor.kl_clamp",
+    "actor.tis_cap", "actor.router_aux_loss_coeff", "actor.router_replay",
+    "actor.batching.mini_batch_size", "actor.batching.epochs", "actor.batching.micro_batch_tokens",
+    "actor.batching.micro_batches", "actor.batching.shuffle_seed",
+    "actor.optim.lr", "actor.optim.min_lr", "actor.optim.lr_warmup_steps", "actor.optim.lr_decay_steps",
+    "actor.optim.lr_decay_style", "actor.optim.weight_decay", "actor.optim.adam_beta1",
+    "actor.optim.adam_beta2", "actor.optim.adam_eps", "actor.optim.clip_grad",
+    "actor.optim.use_distributed_optimizer",
+    "critic.value_clip", "critic.aggregation", "critic.norm_tokens",
+    "critic.batching.mini_batch_size", "critic.batching.epochs", "critic.batching.micro_batch_tokens",
+    "critic.batching.micro_batches", "critic.batching.shuffle_seed",
+    "critic.optim.lr", "critic.optim.min_lr", "critic.optim.lr_warmup_steps", "critic.optim.lr_decay_steps",
+    "critic.optim.lr_decay_style", "critic.optim.weight_decay", "critic.optim.adam_beta1",
+    "critic.optim.adam_beta2", "critic.optim.adam_eps", "critic.optim.clip_grad",
+    "critic.optim.use_distributed_optimizer",
+    "checkpoint.every", "checkpoint.keep", "checkpoint.export_hf",
+]
+
+
+def dotted_keys(cls, prefix: str = ""):
+    """The leaves of a frozen dataclass tree as dotted keys; a section (a field whose type is a
+    dataclass, Optional or not) contributes its own keys under its name."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if typing.get_origin(kind) is typing.Union:
+            inner = [a for a in typing.get_args(kind) if a is not type(None)]
+            kind = inner[0] if len(inner) == 1 else kind
+        if dataclasses.is_dataclass(kind):
+            yield from dotted_keys(kind, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def test_config_keys_are_the_frozen_list():
+    assert len(KEYS) == len(set(KEYS)), "KEYS lists a key twice"
+    got = list(dotted_keys(RunConfig))
+    added, removed = sorted(set(got) - set(KEYS)), sorted(set(KEYS) - set(got))
+    assert not added and not removed, (
+        f"RunConfig's keys changed: added {added}, removed or renamed {removed}. Users' YAML files and "
+        "overrides name these keys: if the change is deliberate, update KEYS in tests/test_config_keys.py "
+        "and the README (and configs/ where a preset sets a renamed key).")
