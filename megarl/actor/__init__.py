@@ -1,2 +1,2 @@
-"""The actor (policy log-probs and update) and what it shares with the critic: the batch type,
-packing, the Megatron schedule runner and the optimizer state."""
+"""The actor (policy log-probs and update) and what it shares with the critic: packing, the
+Megatron schedule runner, the optimizer state and the generation memory handoff."""
