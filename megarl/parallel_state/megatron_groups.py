@@ -101,41 +101,36 @@ def _mpu():
     return mpu
 
 
-def tensor() -> Axis:
+def _axis(name: str) -> Axis:
+    """Megatron names every dimension's getters alike: get_<name>_rank/_world_size/_group."""
     mpu = _mpu()
-    return Axis(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
-                mpu.get_tensor_model_parallel_group())
+    return Axis(getattr(mpu, f"get_{name}_rank")(), getattr(mpu, f"get_{name}_world_size")(),
+                getattr(mpu, f"get_{name}_group")())
+
+
+def tensor() -> Axis:
+    return _axis("tensor_model_parallel")
 
 
 def context() -> Axis:
-    mpu = _mpu()
-    return Axis(mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size(),
-                mpu.get_context_parallel_group())
+    return _axis("context_parallel")
 
 
 def data() -> Axis:
     """Data parallel, not counting context-parallel ranks (they hold the same sequences)."""
-    mpu = _mpu()
-    return Axis(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
-                mpu.get_data_parallel_group())
+    return _axis("data_parallel")
 
 
 def pipeline() -> Axis:
-    mpu = _mpu()
-    return Axis(mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size(),
-                mpu.get_pipeline_model_parallel_group())
+    return _axis("pipeline_model_parallel")
 
 
 def expert() -> Axis:
-    mpu = _mpu()
-    return Axis(mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size(),
-                mpu.get_expert_model_parallel_group())
+    return _axis("expert_model_parallel")
 
 
 def expert_tensor() -> Axis:
-    mpu = _mpu()
-    return Axis(mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size(),
-                mpu.get_expert_tensor_parallel_group())
+    return _axis("expert_tensor_parallel")
 
 
 def virtual_stages() -> int:
