@@ -1,9 +1,10 @@
 """What this rank holds, as resharding Pieces, and the full-model tensor names to expect.
 
 Owns the bridge from megarl.models.param_layout (local slots) to the pure plan: per-rank
-pieces are exchanged once per sync with one all_gather_object (metadata only, no tensors).
+pieces are exchanged once per run with one all_gather_object (metadata only, no tensors).
 """
 
+import hashlib
 from typing import Dict, List, Tuple
 
 import torch
@@ -32,13 +33,30 @@ def local_pieces(chunks: List[torch.nn.Module], arch: ModelArch,
     return pieces, tensors
 
 
-def all_pieces(mine: List[Piece]) -> Tuple[Piece, ...]:
+_GATHERED: Dict[Tuple[int, ...], Tuple[Piece, ...]] = {}
+
+
+def _digest(pieces: List[Piece]) -> int:
+    """A stable 63-bit digest of one rank's pieces (Python's hash() differs per process)."""
+    return int.from_bytes(hashlib.blake2b(repr(pieces).encode(), digest_size=8).digest(), "big") >> 1
+
+
+def all_pieces(mine: List[Piece], device: str = "cpu") -> Tuple[Piece, ...]:
+    """Every rank's pieces. The metadata itself is exchanged once per layout: each call gathers
+    only one digest per rank (one small collective), and every rank sees the same digests, so
+    all of them agree on whether the pieces are already known. `device`: where the default
+    group's collectives run (the model's device)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return tuple(mine)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return tuple(piece for rank_pieces in everyone for piece in rank_pieces)
+    digests = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(digests, torch.tensor([_digest(mine)], dtype=torch.int64, device=device))
+    key = tuple(digests.tolist())
+    if key not in _GATHERED:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        _GATHERED[key] = tuple(piece for rank_pieces in everyone for piece in rank_pieces)
+    return _GATHERED[key]
 
-
-def expected_tensors(arch: ModelArch, role: str = "policy") -> Tuple[str, ...]:
-    return tuple(entry.megatron for entry in weight_tables.entries(arch, role))
+def model_bytes(pieces: Tuple[Piece, ...]) -> int:
+    """Bytes of the full model: each (tensor, TP shard) once, however many replicas hold it."""
+    return sum({(p.canonical, p.tp_rank): p.nbytes for p in pieces}.values())
