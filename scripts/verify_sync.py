@@ -9,8 +9,11 @@ teacher-forced log-probs. The last line printed is one JSON object.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
+
+import torch
 
 from megarl.checks import weight_sync as verify
 from megarl.models.builder import build_model
@@ -30,6 +33,8 @@ def main():
     parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--rollout-tp", type=int, default=1)
+    parser.add_argument("--rollout-ep", type=int, default=1,
+                        help="1, or the rollout tp: experts split over each engine's ranks")
     parser.add_argument("--perturb", type=float, default=0.01, help="relative noise scale")
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--prompts", type=int, default=4)
@@ -48,26 +53,30 @@ def main():
     load_hf_weights(chunks, arch, args.hf_dir)
     verify.perturb(chunks, arch, args.perturb, args.seed)
 
-    engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, dtype=arch.dtype, seed=args.seed)
+    engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, rollout_ep=args.rollout_ep,
+                        dtype=arch.dtype, seed=args.seed)
     prompts = verify.fixed_prompts(arch.vocab_size, args.prompts, args.seed)
     mine = [prompts[i] for i in engine.placement.share(len(prompts))]
     sampling = verify.default_sampling(args.max_new_tokens, args.seed)
     actor = verify.checking_actor(chunks, arch)
 
     before = verify.actor_logprob_diff(actor, verify.all_samples(engine.generate(mine, sampling)))
-    report = sync_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20),
-                          rollout_tp=args.rollout_tp)
+    report = sync_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
     samples = verify.all_samples(engine.generate(mine, sampling))
     after = verify.actor_logprob_diff(actor, samples)
-    result = {"layout": dims.describe(), "rollout_tp": args.rollout_tp, "family": arch.family,
-              "max_abs_logprob_diff": after, "max_abs_logprob_diff_before_sync": before,
+    ranks = [dataclasses.asdict(report)] * world
+    if world > 1:
+        torch.distributed.all_gather_object(ranks, dataclasses.asdict(report))
+    result = {"layout": dims.describe(), "rollout_tp": args.rollout_tp, "rollout_ep": args.rollout_ep,
+              "family": arch.family, "max_abs_logprob_diff": after,
+              "max_abs_logprob_diff_before_sync": before,
               "params_synced": report.params_synced, "params_expected": report.params_expected,
-              "tensors_sent": report.tensors_sent,
-              "tensors_local": report.tensors_local, "buckets": report.buckets,
-              "sync_seconds": report.sync_seconds, "peak_extra_bytes": report.peak_extra_bytes,
-              "model_bytes": report.model_bytes,
-              "largest_tensor_bytes": report.largest_tensor_bytes,
-              "samples": len(samples)}
+              "buckets": report.buckets, "sync_seconds": report.sync_seconds,
+              "model_bytes": report.model_bytes, "samples": len(samples),
+              # per rank, in rank order
+              **{key: [r[key] for r in ranks] for key in (
+                  "bytes_received", "bytes_sent", "shard_bytes", "messages", "peak_extra_bytes",
+                  "measured_peak_bytes", "largest_tensor_bytes")}}
     if megatron_groups.is_rank0():
         print(json.dumps(result))
     engine.shutdown()

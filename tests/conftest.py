@@ -43,6 +43,8 @@ TIERS = {
     "test_rewards": UNIT,
     "test_rollout_engine": (UNIT, {"test_sampling_parameters_reach_vllm": E2E}),
     "test_slurm": E2E,
+    "test_source_layout": UNIT,
+    "test_source_layout_live": DISTRIBUTED,
     "test_trainer_checkpoint": UNIT,
     "test_trainer_flops": UNIT,
     "test_typed_config": UNIT,

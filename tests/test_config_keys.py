@@ -14,6 +14,7 @@ KEYS = [
     "data.prompts_per_step", "data.seed",
     "layout.world_size", "layout.tp", "layout.pp", "layout.cp", "layout.ep", "layout.etp", "layout.vpp",
     "layout.rollout_tp",
+    "layout.rollout_ep",
     "generation.samples_per_prompt", "generation.temperature", "generation.top_p",
     "generation.max_new_tokens", "generation.producer", "generation.kv_cache_gib",
     "generation.gpu_memory_utilization",

@@ -1,4 +1,12 @@
-"""The resharding plan is pure: fake metadata in, owners and buckets out, no processes."""
+"""The resharding plan is pure: source pieces and destination layouts in, copies out, no processes.
+
+Fuzzed like the converters: random small architectures x training layouts x rollout TP/EP. The
+plan is executed in one process (every rank's pieces cut from one random full model) and each
+rank's engine tensors are compared with an independent reference built from the HF tensors the
+way vLLM's own loaders shard them. The real engine is checked by tests/test_weight_sync*.py.
+"""
+
+import random
 
 import pytest
 import torch
@@ -6,105 +14,246 @@ import torch
 from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch
 from megarl.models.param_layout import ParamSlot, local_shard
+from megarl.parallel_state.dims import ParallelDims
+from megarl.resharding.destination import VLLM_VOCAB_PADDING, RolloutLayout, hf_tensors, vllm_layout
 from megarl.resharding.plan import Piece, build_plan
-from megarl.resharding.sync import _engine_slice
+from megarl.resharding.source_layout import layout_pieces
+
+FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
-def _piece(rank, name, tp_rank=0, tp_size=1, tp_dim=None, shape=(4, 4)):
-    return Piece(rank=rank, canonical=name, tp_rank=tp_rank, tp_size=tp_size, tp_dim=tp_dim,
-                 glu=False, shape=shape, dtype="torch.float32")
+def random_arch(rng: random.Random) -> ModelArch:
+    family = rng.choice(sorted(FAMILIES))
+    kv = rng.choice([1, 2, 4])
+    heads = kv * rng.choice([1, 2, 3])
+    head_dim = rng.choice([8, 16])
+    moe = family in ("qwen3_moe", "mixtral")
+    return ModelArch(family=family, architecture=FAMILIES[family],
+                     vocab_size=rng.choice([61, 128, 200, 257]), hidden_size=rng.choice([32, 48]),
+                     ffn_hidden_size=rng.choice([24, 48, 96]), num_layers=rng.choice([2, 4]),
+                     num_heads=heads, num_kv_heads=kv, head_dim=head_dim, norm_eps=1e-6,
+                     rope_theta=1e4, max_position_embeddings=64,
+                     tie_embeddings=family == "llama" and rng.random() < 0.5,
+                     qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"),
+                     dtype="float32", num_experts=rng.choice([4, 8]) if moe else 0,
+                     moe_topk=2 if moe else 0, moe_ffn_hidden_size=rng.choice([16, 24, 48]) if moe else 0)
 
 
-def _tp2_layout():
-    """2 TP x 2 DP ranks: a sharded qkv on (0,1) replicated on (2,3); a norm everywhere."""
-    pieces = []
+def random_dims(rng: random.Random, arch: ModelArch) -> ParallelDims:
+    while True:
+        world = rng.choice([1, 2, 4])
+        tp = rng.choice([d for d in (1, 2, 4) if world % d == 0 and arch.num_kv_heads % d == 0
+                         and arch.ffn_hidden_size % d == 0])
+        pp = rng.choice([d for d in (1, 2) if world % (tp * d) == 0 and arch.num_layers % d == 0])
+        ep = etp = 1
+        if arch.num_experts:
+            ep = rng.choice([d for d in (1, 2, 4) if world % (d * pp) == 0 and arch.num_experts % d == 0])
+            etp = rng.choice([d for d in (1, tp) if world % (d * ep * pp) == 0
+                              and arch.moe_ffn_hidden_size % d == 0])
+        try:
+            return ParallelDims(world_size=world, tp=tp, pp=pp, ep=ep, etp=etp)
+        except ValueError:
+            continue
+
+
+def random_rollout(rng: random.Random, arch: ModelArch, world: int) -> RolloutLayout:
+    tps = [d for d in (1, 2, 4) if world % d == 0 and arch.num_heads % d == 0
+           and (arch.num_kv_heads % d == 0 or d % arch.num_kv_heads == 0)
+           and arch.ffn_hidden_size % d == 0 and arch.moe_ffn_hidden_size % d == 0]
+    tp = rng.choice(tps)
+    eps = [1] + ([tp] if arch.num_experts and tp > 1 and arch.num_experts % tp == 0 else [])
+    return RolloutLayout(tp, rng.choice(eps))
+
+
+def cut_model(arch: ModelArch, pieces, seed: int):
+    """One random full Megatron model (padding rows zero) and every rank's pieces cut from it."""
+    gen = torch.Generator().manual_seed(seed)
+    full = {}
+    for p in pieces:
+        if p.canonical not in full:
+            shape = list(p.shape)
+            if p.tp_dim is not None:
+                shape[p.tp_dim] *= p.tp_size
+            full[p.canonical] = torch.randn(shape, generator=gen)
+            if p.canonical.endswith(("word_embeddings.weight", "output_layer.weight")):
+                full[p.canonical][arch.vocab_size:] = 0
+    held = {}
+    for p in pieces:
+        slot = ParamSlot(p.canonical, p.tp_dim, p.tp_rank, p.tp_size, p.glu)
+        held.setdefault(p.rank, {})[(p.canonical, p.tp_rank)] = local_shard(full[p.canonical], slot)
+    return full, held
+
+
+def execute(plan, held):
+    """Every copy of the plan, on tensors filled with NaN: what stays NaN was never written."""
+    out = {rank: {t.name: torch.full(t.shape, float("nan")) for t in tensors}
+           for rank, tensors in plan.tensors.items()}
+    writes = {rank: {t.name: torch.zeros(t.shape) for t in tensors} for rank, tensors in plan.tensors.items()}
+    for bucket in plan.buckets:
+        for c in bucket.copies:
+            source = held[c.src][(c.canonical, c.tp_rank)].narrow(c.dim, c.src_start, c.length)
+            for target in (out[c.dst][c.tensor], writes[c.dst][c.tensor]):
+                view = target[c.expert] if c.expert is not None else target
+                view = view.narrow(c.dim, c.dst_start, c.length)
+                view.copy_(source) if target is out[c.dst][c.tensor] else view.add_(1)
+    return out, writes
+
+
+def hf_of(arch: ModelArch, full):
+    hf = {}
+    for entry in weight_tables.entries(arch):
+        hf.update(weight_tables.to_hf(arch, entry, full[entry.megatron][:arch.vocab_size]
+                                      if entry.transform == "vocab" else full[entry.megatron]))
+    return hf
+
+
+def _kv_heads(x, kv: int, tp: int, t: int):
+    """Engine rank t's KV heads: its share, or the one head it replicates when tp > kv."""
+    return x.chunk(tp)[t] if kv >= tp else x.chunk(kv)[t // (tp // kv)]
+
+
+def vllm_reference(arch: ModelArch, hf, rollout: RolloutLayout, t: int):
+    """What vLLM's loaders make of the HF tensors on engine rank t, written from HF names."""
+    tp, kv = rollout.tp, arch.num_kv_heads
+    ref = {}
+    for name, w in hf.items():
+        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name or ".w3." in name:
+            continue
+        if ".q_proj." in name:  # weight and bias
+            k, v = hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]
+            ref[name.replace("q_proj", "qkv_proj")] = torch.cat(
+                [w.chunk(tp)[t], _kv_heads(k, kv, tp, t), _kv_heads(v, kv, tp, t)])
+        elif ".experts." in name:
+            layer = name.split(".experts.")[0] + ".experts.routed_experts"
+            e = int(name.split(".experts.")[1].split(".")[0])
+            per = arch.num_experts // rollout.ep
+            if e // per != (t if rollout.ep > 1 else 0):
+                continue
+            width_tp = 1 if rollout.ep > 1 else tp
+            u = t % width_tp
+            if ".gate_proj." in name or ".w1." in name:
+                up = hf[name.replace("gate_proj", "up_proj").replace(".w1.", ".w3.")]
+                key, value = layer + ".w13_weight", torch.cat([w.chunk(width_tp)[u], up.chunk(width_tp)[u]])
+            else:
+                key, value = layer + ".w2_weight", w.chunk(width_tp, dim=1)[u]
+            ref.setdefault(key, [None] * per)[e % per] = value
+        elif ".gate_proj." in name:
+            up = hf[name.replace("gate_proj", "up_proj")]
+            ref[name.replace("gate_proj", "gate_up_proj")] = torch.cat([w.chunk(tp)[t], up.chunk(tp)[t]])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            ref[name] = w.chunk(tp, dim=1)[t]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            padded = -(-arch.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+            ref[name] = torch.cat([w, w.new_zeros(padded - w.shape[0], w.shape[1])]).chunk(tp)[t]
+        else:
+            ref[name] = w
+    return {k: torch.stack(v) if isinstance(v, list) else v for k, v in ref.items()}
+
+
+def _padding_zero(out):
+    return {name: t.nan_to_num(0.0) if name.endswith(("embed_tokens.weight", "lm_head.weight")) else t
+            for name, t in out.items()}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fuzz_every_engine_tensor_is_written_once_and_equals_vllms_sharding(seed):
+    rng = random.Random(seed)
+    arch = random_arch(rng)
+    dims = random_dims(rng, arch)
+    rollout = random_rollout(rng, arch, dims.world_size)
+    pieces = layout_pieces(arch, dims, "torch.float32")
+    layout = vllm_layout(arch, rollout, dims.world_size)
+    plan = build_plan(pieces, tuple(sorted(layout.items())), rng.choice([1, 4096, 10**9]))
+    full, held = cut_model(arch, pieces, seed)
+    out, writes = execute(plan, held)
+    hf = hf_of(arch, full)
+    context = (arch, dims, rollout)
+    for rank in range(dims.world_size):
+        ref = vllm_reference(arch, hf, rollout, rank % rollout.tp)
+        got = _padding_zero(out[rank])
+        assert set(got) == set(ref), context
+        for name in ref:
+            assert got[name].shape == ref[name].shape, (name, context)
+            assert torch.equal(got[name], ref[name]), (name, context)
+            assert writes[rank][name].max() <= 1, (name, "written twice", context)
+        # Each rank receives only its own engine shard (and not more than once).
+        assert plan.received(rank) <= plan.shard_bytes(rank), context
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_fuzz_hf_layout_is_the_checkpoint_bit_exact(seed):
+    rng = random.Random(1000 + seed)
+    arch = random_arch(rng)
+    dims = random_dims(rng, arch)
+    pieces = layout_pieces(arch, dims, "torch.float32")
+    plan = build_plan(pieces, ((0, hf_tensors(arch)),), rng.choice([1, 10**9]))
+    full, held = cut_model(arch, pieces, seed)
+    out, _ = execute(plan, held)
+    hf = hf_of(arch, full)
+    assert set(out[0]) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(out[0][name], tensor), name
+
+
+def _arch(**kw):
+    base = dict(family="qwen3", architecture="Qwen3ForCausalLM", vocab_size=256, hidden_size=32,
+                ffn_hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64, tie_embeddings=False,
+                qkv_bias=False, qk_norm=False, dtype="float32")
+    return ModelArch(**{**base, **kw})
+
+
+def test_same_tp_moves_nothing_and_each_rank_receives_only_its_shard():
+    arch = _arch()
+    same = build_plan(layout_pieces(arch, ParallelDims(world_size=4, tp=2)),
+                      tuple(sorted(vllm_layout(arch, RolloutLayout(2), 4).items())), 10**9)
+    assert all(same.received(r) == 0 for r in range(4))
+    # TP2 x PP2 into rollout TP1: each rank receives the half of the model its stage lacks,
+    # never the whole model (the old broadcast sent (W-1) x model bytes to every rank).
+    pp = build_plan(layout_pieces(arch, ParallelDims(world_size=4, tp=2, pp=2)),
+                    tuple(sorted(vllm_layout(arch, RolloutLayout(1), 4).items())), 10**9)
     for rank in range(4):
-        tp_rank = rank % 2
-        pieces.append(_piece(rank, "qkv", tp_rank, 2, 0, (8, 4)))
-        pieces.append(_piece(rank, "norm", tp_rank, 2, None, (4,)))
-    return tuple(pieces)
+        assert 0 < pp.received(rank) < pp.shard_bytes(rank)
 
 
-def test_owners_are_the_lowest_replica_and_every_shard_is_sent_once():
-    plan = build_plan(_tp2_layout(), ("qkv", "norm"), 10**6)
-    assert len(plan) == 1
-    qkv, norm = plan[0].tensors
-    assert [(p.rank, p.tp_rank) for p in qkv.pieces] == [(0, 0), (1, 1)]
-    assert [p.rank for p in norm.pieces] == [0]
-    assert plan[0].nbytes == (2 * 8 * 4 + 4) * 4
+def test_replicas_on_the_receivers_node_are_preferred():
+    arch = _arch()
+    pieces = layout_pieces(arch, ParallelDims(world_size=4, tp=2))  # DP replicas: ranks 0,1 / 2,3
+    layout = tuple(sorted(vllm_layout(arch, RolloutLayout(1), 4).items()))
+    plan = build_plan(pieces, layout, 10**9, (0, 0, 1, 1))
+    for c in plan.buckets[0].copies:
+        assert c.src // 2 == c.dst // 2, c
 
 
-def test_buckets_respect_the_size_and_keep_table_order():
-    pieces = tuple(_piece(0, f"t{i}", shape=(10,)) for i in range(5))  # 40 bytes each
-    plan = build_plan(pieces, tuple(f"t{i}" for i in range(5)), 100)
-    assert [[t.canonical for t in b.tensors] for b in plan] == [["t0", "t1"], ["t2", "t3"], ["t4"]]
-    big = build_plan((_piece(0, "big", shape=(100,)), _piece(0, "small", shape=(1,))),
-                     ("small", "big"), 16)
-    assert [[t.canonical for t in b.tensors] for b in big] == [["small"], ["big"]]
+def test_buckets_hold_whole_modules_and_rounds_fit_the_bucket():
+    arch = _arch(num_layers=4)
+    pieces = layout_pieces(arch, ParallelDims(world_size=2, pp=2))
+    layout = tuple(sorted(vllm_layout(arch, RolloutLayout(1), 2).items()))
+    small = build_plan(pieces, layout, 4096)
+    modules = [m for b in small.buckets for m in b.modules]
+    assert len(modules) == len(set(modules)) and len(small.buckets) > 4
+    for bucket in small.buckets:
+        for copies in bucket.rounds:
+            remote, traffic = [c for c in copies if c.src != c.dst], {}
+            for c in remote:
+                for r in (c.src, c.dst):
+                    traffic[r] = traffic.get(r, 0) + c.nbytes
+            assert len(remote) <= 1 or max(traffic.values()) <= 4096
+    assert build_plan(pieces, layout, 4096) is small  # cached per layout
 
 
-def test_plan_is_cached_per_layout():
-    assert build_plan(_tp2_layout(), ("qkv", "norm"), 64) is build_plan(_tp2_layout(), ("qkv", "norm"), 64)
-
-
-@pytest.mark.parametrize("pieces,expected,message", [
-    ((_piece(0, "a"),), ("a", "b"), r"missing \['b'\]"),
-    ((_piece(0, "a"), _piece(0, "c")), ("a",), r"unexpected \['c'\]"),
-    ((_piece(0, "a", 0, 2, 0),), ("a",), r"a: TP shards \[0\] of 2 are held"),
+@pytest.mark.parametrize("pieces,message", [
+    ((Piece(0, "a", 0, 2, 0, False, (4, 4), "torch.float32"),), r"a: TP shards \[0\] of 2 are held"),
 ])
-def test_incomplete_or_unexpected_metadata_raises(pieces, expected, message):
+def test_incomplete_metadata_raises(pieces, message):
     with pytest.raises(ValueError, match=message):
-        build_plan(pieces, expected, 100)
+        build_plan(pieces, ((0, ()),), 100)
 
 
-# The local path (sync_weights(rollout_tp=...)): tensors every rank already holds for its engine.
-
-def test_same_tp_tensors_are_local_and_not_sent():
-    plan = build_plan(_tp2_layout(), ("qkv", "norm"), 10**6, 2)
-    assert [t.local for t in plan[0].tensors] == [True, True]
-    assert plan[0].owners() == []
-    # A rollout TP other than the training TP needs the shards of other ranks.
-    plan = build_plan(_tp2_layout(), ("qkv", "norm"), 10**6, 1)
-    assert [t.local for t in plan[0].tensors] == [False, True]
-    assert plan[0].owners() == [0, 1]
-    assert not any(t.local for t in build_plan(_tp2_layout(), ("qkv", "norm"), 10**6)[0].tensors)
-
-
-def test_a_tensor_missing_on_one_rank_is_sent():
-    # PP2: rank 1 lacks stage 0's tensor; a padded vocabulary shard is never the engine's.
-    pieces = (_piece(0, "a"), _piece(1, "b"), _piece(0, "n"), _piece(1, "n"),
-              _piece(0, "v", 0, 2, 0), _piece(1, "v", 1, 2, 0))
-    plan = build_plan(pieces, ("a", "b", "n", "v"), 10**6, 2, frozenset({"v"}))
-    assert {t.canonical: t.local for t in plan[0].tensors} == {"a": False, "b": False, "n": True,
-                                                             "v": False}
-
-
-ARCH = ModelArch(family="qwen3", architecture="Qwen3ForCausalLM", vocab_size=512, hidden_size=256,
-                 ffn_hidden_size=384, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
-                 norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64, tie_embeddings=False,
-                 qkv_bias=False, qk_norm=True, dtype="float32")
-
-
-def test_engine_slice_is_the_engine_rows_of_the_full_hf_tensor():
-    shapes = {"embedding.word_embeddings.weight": ((512, 256), 0, False),
-              "decoder.layers.0.self_attention.linear_qkv.weight": ((512, 256), 0, False),
-              "decoder.layers.0.self_attention.linear_proj.weight": ((256, 256), 1, False),
-              "decoder.layers.0.mlp.linear_fc1.weight": ((768, 256), 0, True),
-              "decoder.layers.0.mlp.linear_fc2.weight": ((256, 384), 1, False)}
-    for name, (shape, dim, glu) in shapes.items():
-        entry = weight_tables.entry_for(ARCH, name)
-        full = torch.randn(shape)
-        expected = weight_tables.to_hf(ARCH, entry, full)
-        for tp_rank in range(2):
-            slot = ParamSlot(canonical=name, tp_dim=dim, tp_rank=tp_rank, tp_size=2, glu=glu)
-            shard = local_shard(full, slot)
-            piece = Piece(rank=tp_rank, canonical=name, tp_rank=tp_rank, tp_size=2, tp_dim=dim,
-                          glu=glu, shape=tuple(shard.shape), dtype="torch.float32")
-            got, resident = _engine_slice(ARCH, entry, piece, shard)
-            assert set(got) == set(expected)
-            for hf_name, tensor in expected.items():
-                assert got[hf_name].shape == tensor.shape
-                rows = tensor.shape[dim] // 2
-                assert torch.equal(got[hf_name].narrow(dim, tp_rank * rows, rows),
-                                   tensor.narrow(dim, tp_rank * rows, rows)), (name, hf_name)
-            assert resident >= shard.numel() * 4
+def test_a_destination_the_source_cannot_fill_is_refused():
+    arch = _arch()
+    pieces = layout_pieces(arch, ParallelDims(world_size=1))
+    other = vllm_layout(_arch(num_layers=3), RolloutLayout(1), 1)
+    with pytest.raises(ValueError, match="missing .*decoder.layers.2"):
+        build_plan(pieces, tuple(sorted(other.items())), 100)

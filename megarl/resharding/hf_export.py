@@ -1,8 +1,9 @@
 """Export a live model (any TP/PP/EP layout) as an HF checkpoint, streaming.
 
 The export is a weight sync into files: `HFDirectoryWriter` takes the place of the rollout engine
-in megarl.resharding.sync_weights, so the same plan and transport join the shards bucket by
-bucket, and rank 0 writes each bucket as one safetensors file (memory: one bucket, as in a sync).
+in megarl.resharding.sync_weights with the "hf" layout (rank 0 holds every HF tensor whole), so
+the same plan and transport bring each bucket's tensors to rank 0, which writes them as one
+safetensors file (memory: one bucket, as in a sync).
 Writes into OUT.partial and renames it when the index, config and tokenizer files are in place.
 Does not own the Megatron-checkpoint path (convert.py) or choosing when to export (the loop).
 """
@@ -10,7 +11,7 @@ Does not own the Megatron-checkpoint path (convert.py) or choosing when to expor
 import json
 import os
 import shutil
-from typing import Iterable, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,30 +20,38 @@ from safetensors.torch import save_file
 from megarl.models.checkpoint import TOKENIZER_FILES
 from megarl.models.hf_config import ModelArch
 from megarl.resharding.sync import sync_weights
-from megarl.rollout.engine import WeightUpdateReport
+from megarl.rollout.engine import WeightLayout, WeightUpdateReport
 
 
 class HFDirectoryWriter:
     """The RolloutEngine surface sync_weights uses, writing HF files instead of loading them."""
 
-    def __init__(self, out_dir: str, hf_config: dict, assets_dir: str):
-        self.out_dir, self.hf_config, self.assets_dir = out_dir, hf_config, assets_dir
+    def __init__(self, out_dir: str, hf_config: dict, assets_dir: str, dtype: torch.dtype):
+        self.out_dir, self.hf_config, self.assets_dir, self.dtype = out_dir, hf_config, assets_dir, dtype
         self.partial = out_dir.rstrip("/") + ".partial"
         self.writer = dist.get_rank() == 0
         self.weight_map = {}
 
-    def begin_weight_update(self) -> None:
+    def weight_layout(self) -> WeightLayout:
+        return WeightLayout("hf", dist.get_world_size() if dist.is_initialized() else 1)
+
+    def begin_weight_update(self, expected: Dict[str, Tuple[int, ...]]) -> None:
+        self.expected, self.open = expected, {}
         if self.writer:
             shutil.rmtree(self.partial, ignore_errors=True)
             os.makedirs(self.partial)
 
-    def load_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        if not self.writer:
+    def open_tensors(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+        self.open = {name: torch.empty(self.expected[name], dtype=self.dtype) for name in names}
+        return self.open
+
+    def close_tensors(self, names: Sequence[str]) -> None:
+        if not names:
             return
         filename = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
-        tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors}
-        save_file(tensors, os.path.join(self.partial, filename), metadata={"format": "pt"})
-        self.weight_map.update({name: filename for name in tensors})
+        save_file({name: self.open.pop(name) for name in names},
+                  os.path.join(self.partial, filename), metadata={"format": "pt"})
+        self.weight_map.update({name: filename for name in names})
 
     def finish_weight_update(self) -> WeightUpdateReport:
         # The plan refuses to run unless it covers every tensor the architecture has, so what
@@ -66,6 +75,7 @@ class HFDirectoryWriter:
 def export_hf(chunks: List[torch.nn.Module], arch: ModelArch, hf_config: dict, tokenizer_dir: str,
               out_dir: str) -> str:
     """Collective: write the model held by `chunks` to `out_dir` in HF format."""
-    sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir))
+    dtype = next(chunks[0].parameters()).dtype
+    sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir, dtype))
     dist.barrier()
     return out_dir

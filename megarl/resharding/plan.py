@@ -1,18 +1,25 @@
-"""The resharding plan: which rank sends which piece of which full tensor, in which bucket.
+"""The resharding plan: which rank sends which slab of which piece to which destination tensor
+of which rank, in which bucket.
 
-Pure and deterministic: a function of the pieces every rank holds, of the bucket size and of the
-rollout TP size, so it is computed once per layout pair (lru_cache) and testable with fake
-metadata, no processes. A tensor is "local" when every rank already holds what its rollout engine
-rank loads of it (the full tensor, or the Megatron TP shard with the engine's TP size and index,
-as in a colocated same-TP layout): it is not sent at all.
+Pure and deterministic: a function of the pieces every training rank holds (metadata.py, or
+source_layout.py without any weights), of every destination rank's tensors (destination.py), of
+the bucket size and of which node each rank is on. Cached per layout pair, so a run builds it
+once; testable with fake metadata, no processes; the cluster planner runs the very same code.
+
+Each destination region is cut by the TP shards that hold it, and each cut is read from one
+replica of its shard (DP/CP/EP copies): the destination rank itself when it holds one (a local
+copy, nothing sent), else one on the same node, else the least loaded, so each rank receives
+only the bytes of its own engine shard. Buckets hold whole destination modules (the engine
+finishes a module at once), in the weight-table order (layer by layer).
 """
 
 import functools
 import math
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megarl.models.hf_config import DTYPES
+from megarl.resharding.destination import DestTensor
 
 _BYTES = {str(dtype): dtype.itemsize for dtype in DTYPES.values()}  # keyed like Piece.dtype
 
@@ -37,98 +44,168 @@ class Piece:
     def nbytes(self) -> int:
         return self.numel * _BYTES[self.dtype]
 
+    def spans(self, dim: int) -> List[Tuple[int, int, int]]:
+        """(full start, local start, length) of what this piece holds along `dim`."""
+        n = self.shape[dim]
+        if self.tp_dim is None:
+            return [(0, 0, n)]
+        if self.tp_dim != dim:
+            raise ValueError(f"{self.canonical}: a destination cuts it along dim {dim}, but "
+                             f"Megatron shards it along dim {self.tp_dim}")
+        if self.glu:  # [gate shard; up shard] of [gate; up]
+            half = n // 2
+            return [(self.tp_rank * half, 0, half), (self.tp_size * half + self.tp_rank * half, half, half)]
+        return [(self.tp_rank * n, 0, n)]
+
 
 @dataclass(frozen=True)
-class TensorPlan:
+class Copy:
+    """Slab [src_start, src_start + length) along `dim` of piece (canonical, tp_rank) on rank `src`
+    into destination tensor `tensor` (its `expert`-th slice) at `dst_start` on rank `dst`."""
+    src: int
+    dst: int
     canonical: str
-    pieces: Tuple[Piece, ...]  # one per TP rank, in TP-rank order; each from its chosen owner
-    local: bool = False        # every rank holds its engine_piece: the pieces are not sent
+    tp_rank: int
+    dim: int
+    src_start: int
+    length: int
+    tensor: str
+    expert: Optional[int]
+    dst_start: int
+    numel: int
+    dtype: str
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pieces)
+        return self.numel * _BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
 class Bucket:
-    tensors: Tuple[TensorPlan, ...]
+    modules: Tuple[str, ...]
+    rounds: Tuple[Tuple[Copy, ...], ...]  # exchanged one after another: each round's buffers
+                                           # on any rank fit in the bucket size (or hold one copy)
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-    def owners(self) -> List[int]:
-        """Ranks that send in this bucket."""
-        return sorted({p.rank for t in self.tensors if not t.local for p in t.pieces})
+    def copies(self) -> Tuple[Copy, ...]:
+        return tuple(c for r in self.rounds for c in r)
 
 
-def engine_piece(held: Iterable[Piece], rank: int, rollout_tp: int) -> Optional[Piece]:
-    """Among one rank's pieces of one tensor, one its rollout engine rank can load without the
-    other ranks: the full tensor, or the TP shard the engine's own loaders would cut. Engine TP
-    ranks are consecutive global ranks (rank % rollout_tp), as are Megatron's TP ranks."""
-    for piece in held:
-        if piece.tp_dim is None or (piece.tp_size == rollout_tp
-                                    and piece.tp_rank == rank % rollout_tp):
-            return piece
-    return None
+def _rounds(copies: List[Copy], bucket_bytes: int) -> Tuple[Tuple[Copy, ...], ...]:
+    """Split a bucket's copies so no rank sends plus receives more than `bucket_bytes` at once:
+    a module larger than the bucket is still opened whole, but moved in bucket-sized rounds."""
+    rounds: List[List[Copy]] = [[]]
+    traffic: Dict[int, int] = {}
+    for copy in copies:
+        if copy.src != copy.dst:
+            ends = (copy.src, copy.dst)
+            if rounds[-1] and any(traffic.get(r, 0) + copy.nbytes > bucket_bytes for r in ends):
+                rounds.append([])
+                traffic = {}
+            for r in ends:
+                traffic[r] = traffic.get(r, 0) + copy.nbytes
+        rounds[-1].append(copy)
+    return tuple(tuple(r) for r in rounds)
+
+
+@dataclass(frozen=True)
+class Plan:
+    buckets: Tuple[Bucket, ...]
+    tensors: Dict[int, Tuple[DestTensor, ...]]  # every destination rank's tensors
+
+    def received(self, rank: int) -> int:
+        """Bytes `rank` receives from other ranks."""
+        return sum(c.nbytes for b in self.buckets for c in b.copies if c.dst == rank != c.src)
+
+    def sent(self, rank: int) -> int:
+        return sum(c.nbytes for b in self.buckets for c in b.copies if c.src == rank != c.dst)
+
+    def shard_bytes(self, rank: int) -> int:
+        """Bytes of `rank`'s own destination tensors that come from the model (its shard)."""
+        return sum(c.nbytes for b in self.buckets for c in b.copies if c.dst == rank)
+
+
+def _owner(replicas: List[Piece], dst: int, node_of: Tuple[int, ...], load: Dict[int, int]) -> Piece:
+    def cost(piece: Piece):
+        return (piece.rank != dst, node_of[piece.rank] != node_of[dst], load.get(piece.rank, 0),
+                piece.rank)
+    return min(replicas, key=cost)
+
+
+def _cut(region, held: Dict[int, List[Piece]], tensor: DestTensor, dst: int,
+         node_of: Tuple[int, ...], load: Dict[int, int]) -> List[Copy]:
+    """The copies that fill one region, one per intersecting TP shard."""
+    copies, covered = [], 0
+    for _, replicas in sorted(held.items()):
+        piece = _owner(replicas, dst, node_of, load)
+        for full, local, n in piece.spans(region.dim):
+            lo, hi = max(full, region.start), min(full + n, region.start + region.length)
+            if lo >= hi:
+                continue
+            numel = (hi - lo) * piece.numel // piece.shape[region.dim]
+            copies.append(Copy(piece.rank, dst, region.canonical, piece.tp_rank, region.dim,
+                               local + lo - full, hi - lo, tensor.name, region.expert,
+                               region.dst_start + lo - region.start, numel, piece.dtype))
+            covered += hi - lo
+            if piece.rank != dst:
+                load[piece.rank] = load.get(piece.rank, 0) + copies[-1].nbytes
+    if covered != region.length:
+        raise ValueError(f"{region.canonical}: the training ranks hold {covered} of the "
+                         f"{region.length} rows {tensor.name} on rank {dst} needs along dim {region.dim}")
+    return copies
 
 
 @functools.lru_cache(maxsize=16)
-def build_plan(pieces: Tuple[Piece, ...], expected: Tuple[str, ...], bucket_bytes: int,
-               rollout_tp: Optional[int] = None,
-               whole_only: FrozenSet[str] = frozenset()) -> Tuple[Bucket, ...]:
-    """Choose one owner per (tensor, TP shard) -- the lowest rank among its DP/CP/EP replicas --
-    and pack the tensors, in `expected` order, into buckets of at most `bucket_bytes` (a larger
-    tensor gets a bucket of its own). Raises if a tensor is missing, incomplete or unexpected.
-    With `rollout_tp` (the engine loads full-shaped tensors holding only its own TP slice), mark
-    the tensors every rank holds an engine_piece of as local; `whole_only` tensors are never
-    local unless held whole (e.g. a padded vocabulary, whose shards are not the engine's)."""
+def build_plan(pieces: Tuple[Piece, ...], layout: Tuple[Tuple[int, Tuple[DestTensor, ...]], ...],
+               bucket_bytes: int, node_of: Optional[Tuple[int, ...]] = None) -> Plan:
+    """`layout`: (rank, its destination tensors) for every receiving rank; `node_of[rank]`: the
+    node of each rank (default: one node). A bucket closes before the module that would make a
+    rank's materialized-plus-sent bytes exceed `bucket_bytes`; a larger module gets its own."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    held: Dict[Tuple[int, str], List[Piece]] = {}
-    for piece in pieces:
-        held.setdefault((piece.rank, piece.canonical), []).append(piece)
-    ranks = sorted({p.rank for p in pieces})
-
-    def local(canonical: str) -> bool:
-        if rollout_tp is None:
-            return False
-        for rank in ranks:
-            piece = engine_piece(held.get((rank, canonical), ()), rank, rollout_tp)
-            if piece is None or (piece.tp_dim is not None and canonical in whole_only):
-                return False
-        return True
-
-    owner: Dict[Tuple[str, int], Piece] = {}
-    for piece in sorted(pieces, key=lambda p: p.rank):
-        owner.setdefault((piece.canonical, piece.tp_rank), piece)
-    by_tensor: Dict[str, Dict[int, Piece]] = {}
-    for (canonical, tp_rank), piece in owner.items():
-        by_tensor.setdefault(canonical, {})[tp_rank] = piece
-    unexpected = sorted(set(by_tensor) - set(expected))
-    missing = sorted(set(expected) - set(by_tensor))
-    if unexpected or missing:
-        raise ValueError(f"source model and weight table disagree: missing {missing[:5]}, "
+    by_tensor: Dict[str, Dict[int, List[Piece]]] = {}
+    for piece in pieces:  # a tensor replicated over TP is one shard, held by every TP rank
+        shard = piece.tp_rank if piece.tp_dim is not None else 0
+        by_tensor.setdefault(piece.canonical, {}).setdefault(shard, []).append(piece)
+    for canonical, shards in by_tensor.items():
+        first = next(iter(shards.values()))[0]
+        tp_size = first.tp_size if first.tp_dim is not None else 1
+        if sorted(shards) != list(range(tp_size)):
+            raise ValueError(f"{canonical}: TP shards {sorted(shards)} of {tp_size} are held")
+    world = 1 + max([p.rank for p in pieces] + [rank for rank, _ in layout])
+    node_of = node_of or (0,) * world
+    needed = {r.canonical for _, tensors in layout for t in tensors for r in t.regions}
+    missing, unexpected = sorted(needed - set(by_tensor)), sorted(set(by_tensor) - needed)
+    if missing or unexpected:
+        raise ValueError(f"source model and destination disagree: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
-    tensors = []
-    for canonical in expected:
-        shards = by_tensor[canonical]
-        first = shards[min(shards)]
-        if first.tp_dim is None:  # replicated over TP: any one copy is the full tensor
-            tensors.append(TensorPlan(canonical, (min(shards.values(), key=lambda p: p.rank),),
-                                      local(canonical)))
-            continue
-        if sorted(shards) != list(range(first.tp_size)):
-            raise ValueError(f"{canonical}: TP shards {sorted(shards)} of {first.tp_size} are held")
-        tensors.append(TensorPlan(canonical, tuple(shards[r] for r in range(first.tp_size)),
-                                  local(canonical)))
-    buckets, current, current_bytes = [], [], 0
-    for tensor in tensors:
-        if current and current_bytes + tensor.nbytes > bucket_bytes:
-            buckets.append(Bucket(tuple(current)))
-            current, current_bytes = [], 0
-        current.append(tensor)
-        current_bytes += tensor.nbytes
-    if current:
-        buckets.append(Bucket(tuple(current)))
-    return tuple(buckets)
+
+    modules: Dict[str, Dict[int, List[DestTensor]]] = {}  # module -> rank -> its tensors
+    for rank, tensors in layout:
+        for tensor in tensors:
+            modules.setdefault(tensor.module, {}).setdefault(rank, []).append(tensor)
+    load: Dict[int, int] = {}
+    buckets, names, copies, cost = [], [], [], {}
+    for module, per_rank in modules.items():
+        mine, mine_cost = [], {}
+        for rank, tensors in per_rank.items():
+            for tensor in tensors:
+                itemsize = None
+                for region in tensor.regions:
+                    cut = _cut(region, by_tensor[region.canonical], tensor, rank, node_of, load)
+                    mine += cut
+                    itemsize = itemsize or (cut[0].nbytes // cut[0].numel if cut else None)
+                    for c in cut:
+                        if c.src != c.dst:
+                            mine_cost[c.src] = mine_cost.get(c.src, 0) + c.nbytes
+                mine_cost[rank] = mine_cost.get(rank, 0) + tensor.numel * (itemsize or 0)
+        if names and any(cost.get(r, 0) + b > bucket_bytes for r, b in mine_cost.items()):
+            buckets.append(Bucket(tuple(names), _rounds(copies, bucket_bytes)))
+            names, copies, cost = [], [], {}
+        names.append(module)
+        copies += mine
+        for r, b in mine_cost.items():
+            cost[r] = cost.get(r, 0) + b
+    if names:
+        buckets.append(Bucket(tuple(names), _rounds(copies, bucket_bytes)))
+    return Plan(tuple(buckets), dict(layout))

@@ -5,7 +5,7 @@ megarl.resharding only talk to this surface.
 """
 
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -65,20 +65,45 @@ class WeightUpdateReport:
     unexpected: List[str] = field(default_factory=list)
 
 
-class RolloutEngine(Protocol):
+@dataclass(frozen=True)
+class WeightLayout:
+    """How a weight destination holds the model: `format` "vllm" (each rank its engine's own
+    parameters: fused QKV and gate/up, fused experts, padded vocabulary; engines of `tp`
+    consecutive ranks, experts split over an engine's ranks when `ep` == tp) or "hf" (whole HF
+    tensors, on rank 0 only). megarl.resharding.destination turns it into every rank's tensors."""
+    format: str
+    world: int
+    tp: int = 1
+    ep: int = 1
+
+
+class WeightDestination(Protocol):
+    """What megarl.resharding.sync_weights writes into: tensors opened a module at a time, written
+    in place, then closed (the destination makes them live: vLLM repacks, an exporter saves)."""
+
+    def weight_layout(self) -> WeightLayout:
+        ...
+
+    def begin_weight_update(self, expected: Dict[str, Tuple[int, ...]]) -> None:
+        """Prepare to receive a complete new set of weights: `expected` is this rank's tensors
+        (name -> shape) as the plan will write them; refuse if they are not exactly the
+        destination's own."""
+
+    def open_tensors(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+        """Writable tensors of these names (whole modules), uninitialized."""
+
+    def close_tensors(self, names: Sequence[str]) -> None:
+        """Every element of these tensors is written: make them live."""
+
+    def finish_weight_update(self) -> WeightUpdateReport:
+        """Finalize; report every destination tensor that was or was not written."""
+
+
+class RolloutEngine(WeightDestination, Protocol):
     placement: Placement
 
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
         """Sample `sampling.n` responses per prompt (token ids in, token ids and log-probs out)."""
-
-    def begin_weight_update(self) -> None:
-        """Prepare to receive a complete new set of weights, in any number of load calls."""
-
-    def load_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Receive some full HF-named tensors; the engine shards them for its own layout."""
-
-    def finish_weight_update(self) -> WeightUpdateReport:
-        """Finalize; report every engine parameter that was or was not written."""
 
     def release_memory(self) -> None:
         """Free generation memory (KV cache, and weights where supported) while training runs."""

@@ -5,8 +5,6 @@ import os
 
 import torch
 
-from megarl.parallel_state.uneven_collectives import all_gather_uneven, reduce_scatter_uneven
-
 SHM_DIR = "/dev/shm"
 
 
@@ -38,25 +36,26 @@ def remove_stale_shm_segments() -> list:
     return removed
 
 
-def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
-    """vLLM 0.32 skips the CPU MoE kernel's weight prepacking when weights are reloaded
-    (UnquantizedFusedMoEMethod only prepacks on the first load), leaving the experts with raw
-    weights that the kernel reads as packed: generation goes wrong silently (measured: log-probs
-    off by ~0.5 after reloading identical weights). Prepack them again; return layers fixed."""
-    from vllm._custom_ops import cpu_prepack_moe_weight
+def prepack_reloaded_moe(layer: torch.nn.Module, live: dict) -> bool:
+    """vLLM 0.32 prepares the CPU MoE kernel's weights (pads the expert width to the kernel's
+    alignment, then prepacks) only on the first load. A reload left raw weights that the kernel
+    read as packed (measured: log-probs off by ~0.5 after reloading identical weights) or that
+    did not fit the live, padded tensors ("The size of tensor a (128) must match the size of
+    tensor b (96)" at expert width 96, rollout TP2). Prepare one reloaded module the same way,
+    prepacking straight into `live` (its kernel's tensors by name) rather than into new ones, so
+    the reload needs no second copy of the experts; return whether it was a CPU MoE module."""
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C.prepack_moe_weight)
 
-    fixed = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        isa = getattr(type(experts), "isa", None)
-        if isa is None or getattr(experts, "_use_zentorch", False):
-            continue
-        for name in ("w13_weight", "w2_weight"):
-            weight = getattr(module, name)
-            weight.data.copy_(cpu_prepack_moe_weight(weight.data, isa))
-        fixed += 1
-    return fixed
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    isa = getattr(type(experts), "isa", None)
+    if isa is None or getattr(experts, "_use_zentorch", False):
+        return False
+    experts._pad_moe_intermediate(layer)  # allocates only when the width needs padding
+    for name in ("w13_weight", "w2_weight"):
+        torch.ops._C.prepack_moe_weight(getattr(layer, name).data, live[name].data, isa)
+        getattr(layer, name).data = live[name].data
+    return True
 
 
 def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
@@ -71,26 +70,3 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
         return False
     head.quant_method.process_weights_after_loading(head)
     return True
-
-
-def _all_gatherv(self, input_, dim: int = 0, sizes=None):
-    """vLLM's variable-size all-gather over the communicator's group, for a tensor or a list."""
-    if isinstance(input_, (list, tuple)):
-        return [_all_gatherv(self, t, dim, sizes) for t in input_]
-    return all_gather_uneven(input_.movedim(dim, 0), sizes, self.device_group).movedim(0, dim)
-
-
-def _reduce_scatterv(self, input_, dim: int = -1, sizes=None):
-    """vLLM's variable-size reduce-scatter over the communicator's group."""
-    return reduce_scatter_uneven(input_.movedim(dim, 0), sizes, self.device_group).movedim(0, dim)
-
-
-def add_variable_size_collectives() -> None:
-    """vLLM's CPU communicator lacks all_gatherv/reduce_scatterv, which MoE models need when
-    several data-parallel engines share experts (rollout tp < world size). Provide them."""
-    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
-
-    if "all_gatherv" not in vars(CpuCommunicator):
-        CpuCommunicator.all_gatherv = _all_gatherv
-    if "reduce_scatterv" not in vars(CpuCommunicator):
-        CpuCommunicator.reduce_scatterv = _reduce_scatterv

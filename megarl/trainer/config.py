@@ -34,6 +34,7 @@ class LayoutConfig:
     etp: Optional[int] = None
     vpp: Optional[int] = None
     rollout_tp: int = 1
+    rollout_ep: int = 1   # 1, or rollout_tp: each engine splits its experts over its ranks
 
     def dims(self) -> ParallelDims:
         """The training layout, validated (raises naming the degrees that do not fit)."""

@@ -19,9 +19,11 @@ from megarl.trainer.config import RunConfig
 
 
 class _Worker:
-    def setup(self, rank: int, world: int, local_rank: int, master: str, port: int) -> None:
+    def setup(self, rank: int, world: int, local_rank: int, local_world: int, master: str,
+              port: int) -> None:
+        # LOCAL_WORLD_SIZE as torchrun sets it: the weight sync reads the node of each rank from it.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
-                          MASTER_ADDR=master, MASTER_PORT=str(port))
+                          LOCAL_WORLD_SIZE=str(local_world), MASTER_ADDR=master, MASTER_PORT=str(port))
 
     def node(self) -> str:
         import ray
@@ -102,7 +104,7 @@ def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optiona
         nodes = ray.get([w.node.remote() for w in workers])
         master, port = ray.get(workers[0].address.remote())
         local_ranks = [nodes[:rank].count(node) for rank, node in enumerate(nodes)]
-        ray.get([w.setup.remote(rank, world, local_ranks[rank], master, port)
+        ray.get([w.setup.remote(rank, world, local_ranks[rank], nodes.count(nodes[rank]), master, port)
                  for rank, w in enumerate(workers)])
         # No CPU of its own: the placement group may hold every one.
         inbox = None if verbose else Queue(actor_options={"num_cpus": 0})

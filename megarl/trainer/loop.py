@@ -113,8 +113,8 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
     data, gen = config.data, config.generation
     prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.prompt_key, data.answer_key,
                            data.overlong_prompts)
-    engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, seed=config.seed,
-                        dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
+    engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, rollout_ep=layout.rollout_ep,
+                        seed=config.seed, dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
                         gpu_memory_utilization=gen.gpu_memory_utilization,
                         max_model_len=data.max_prompt_len + gen.max_new_tokens)
     sampler = PromptSampler(len(prompts.prompts), data.prompts_per_step, data.seed)

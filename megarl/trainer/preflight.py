@@ -5,7 +5,7 @@ and the prompt data.
 Each section of RunConfig validates itself when loaded; what needs two sections or the model's
 config.json is checked here, so a run that cannot work is refused (naming the values and the
 fix) before Ray places a worker or a GPU is touched. Does not own the checks' definitions:
-ParallelDims, transformer_config, rollout_groups and plan_micro_batches are the ones the run
+ParallelDims, transformer_config, check_rollout and plan_micro_batches are the ones the run
 itself applies later.
 """
 
@@ -17,23 +17,17 @@ from megarl.actor.passes import mini_batch_rows
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.models.megatron_config import transformer_config
 from megarl.parallel_state.dims import ParallelDims
+from megarl.resharding.destination import RolloutLayout, check_rollout
 from megarl.rollout.prompts import load_prompts
-from megarl.rollout.vllm_engine import rollout_groups
+from megarl.rollout.vllm_engine import check_engine_ep
 from megarl.trainer.config import RunConfig
 
 
 def _check_rollout(config: RunConfig, arch: ModelArch) -> None:
-    """Shards vLLM can make at the rollout TP (it splits heads and expert widths over its ranks
-    and replicates KV heads only when rollout_tp is a multiple of their count)."""
-    rollout_tp = config.layout.rollout_tp
-    rollout_groups(config.layout.world_size, rollout_tp)
-    if arch.num_heads % rollout_tp or (arch.num_kv_heads % rollout_tp and rollout_tp % arch.num_kv_heads):
-        raise ValueError(f"layout.rollout_tp={rollout_tp}: vLLM needs it to divide the {arch.num_heads} "
-                         "attention heads and to divide or be a multiple of the "
-                         f"{arch.num_kv_heads} KV heads")
-    if arch.num_experts and arch.moe_ffn_hidden_size % rollout_tp:
-        raise ValueError(f"layout.rollout_tp={rollout_tp} must divide moe_intermediate_size "
-                         f"{arch.moe_ffn_hidden_size}: vLLM shards every expert over its TP ranks")
+    """Shards vLLM can make at the rollout layout (the same divisibility the sync plan uses)."""
+    layout = config.layout
+    check_engine_ep(layout.rollout_tp, layout.rollout_ep)
+    check_rollout(arch, RolloutLayout(layout.rollout_tp, layout.rollout_ep), layout.world_size)
 
 
 def _check_batching(batching: BatchingConfig, sequences: int, longest: int, dims: ParallelDims,

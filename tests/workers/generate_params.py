@@ -11,7 +11,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dir", required=True)
     args = parser.parse_args()
-    engine = VLLMEngine(args.hf_dir)
+    engine = VLLMEngine(args.hf_dir, load_format="auto")  # no sync here: the checkpoint's weights
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=6)
     first = engine.generate(prompts, greedy)

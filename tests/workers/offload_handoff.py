@@ -129,7 +129,7 @@ def case(dims, hf_dir, dtype, distributed_optimizer, max_len):
 def refusals(engine, prompts, sampling):
     """What the released engine says to a weight update and to generate (None: it ran)."""
     refused = {}
-    for name, call in (("weight_update", engine.begin_weight_update),
+    for name, call in (("weight_update", lambda: engine.begin_weight_update({})),
                        ("generate", lambda: engine.generate(prompts, sampling))):
         try:
             call()
@@ -150,7 +150,7 @@ def handoff(dims, hf_dir, max_len):
     states = [actor.state, critic.state]
     before = [snapshot(s) for s in states]
     kinds, counts = zip(*[tensors(s) for s in states])
-    engine = VLLMEngine(hf_dir, dtype=arch.dtype, kv_cache_gib=1, max_model_len=64)
+    engine = VLLMEngine(hf_dir, dtype=arch.dtype, kv_cache_gib=1, max_model_len=64, load_format="auto")
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=6)
     expected_tokens = [s.response_ids for s in engine.generate(prompts, greedy)]

@@ -1,0 +1,104 @@
+"""Writing new weights straight into a live vLLM model's own parameters, module by module.
+
+vLLM keeps some parameters in a processed form (on CPU, linear weights are repacked for oneDNN
+and MoE experts prepacked and padded), so a parameter cannot simply be overwritten. vLLM's
+layerwise reload (vllm.model_executor.model_loader.reload) solves this for its own loaders: every
+module goes back to its load-time shapes on the meta device, and once a module is complete it is
+materialized, processed and copied into the tensors kernels hold. megarl uses that machinery but
+not the loaders: `open` materializes a module's load-time tensors for the sync to write into,
+`close` processes them and copies them into the live ones, so one module at a time is resident
+and no HF tensor passes through Python. Works the same on GPU (processing there is a no-op or a
+shuffle for unquantized weights; the copy back keeps CUDA-graph addresses).
+"""
+
+from typing import Dict, Sequence, Set, Tuple
+
+import torch
+
+from megarl.rollout import vllm_cpu_fixes
+from megarl.rollout.engine import WeightUpdateReport
+
+_ON_CPU = not torch.cuda.is_available()
+
+
+class InPlaceWriter:
+    def __init__(self, model: torch.nn.Module, model_config):
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        self.model, self.model_config = model, model_config
+        self._info = get_layerwise_info
+        # Names as vLLM reports them (tied weights once), shapes as its loaders see them.
+        self.names = [name for name, _ in model.named_parameters()]
+        self.written: Set[str] = set()
+
+    def begin(self, expected: Dict[str, Tuple[int, ...]]) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        shapes = {name: tuple(self._load_shape(name)) for name in self.names}
+        missing = sorted(set(shapes) - set(expected))
+        unexpected = sorted(set(expected) - set(shapes))
+        wrong = sorted(f"{n}: engine {shapes[n]}, plan {tuple(expected[n])}"
+                       for n in set(shapes) & set(expected) if shapes[n] != tuple(expected[n]))
+        if missing or unexpected or wrong:
+            self.finish()  # put the model back as it was before refusing
+            raise ValueError(f"the sync plan does not match this vLLM model: {len(missing)} engine "
+                             f"parameters unplanned (e.g. {missing[:3]}), {len(unexpected)} planned "
+                             f"ones it lacks (e.g. {unexpected[:3]}), shapes differ: {wrong[:3]}. "
+                             "megarl.resharding.destination encodes vLLM's layouts: update it for "
+                             "this vLLM version or model family")
+        self.written = set()
+
+    def _load_shape(self, name: str) -> torch.Size:
+        module, _, param = name.rpartition(".")
+        layer = self.model.get_submodule(module)
+        meta = self._info(layer).restore_metadata[0]
+        # vLLM keeps a few tensors live through a reload (SKIP_TENSORS: biases, routing bias).
+        return meta[param].shape if param in meta else getattr(layer, param).shape
+
+    def open(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        for module in dict.fromkeys(name.rpartition(".")[0] for name in names):
+            layer = self.model.get_submodule(module)
+            materialize_layer(layer, self._info(layer))
+        return {name: self.model.get_parameter(name).data for name in names}
+
+    def close(self, names: Sequence[str]) -> None:
+        for module in dict.fromkeys(name.rpartition(".")[0] for name in names):
+            self._process(self.model.get_submodule(module))
+        self.written.update(names)
+
+    def _process(self, layer: torch.nn.Module) -> None:
+        """vLLM's _layerwise_process after its loaders would have run: process the written
+        load-time tensors, copy them into the live ones, put those back on the module."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload import layerwise
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+        info = self._info(layer)
+        if hasattr(layer, "_already_called_process_weights_after_loading"):
+            delattr(layer, "_already_called_process_weights_after_loading")
+        for tensor in get_layer_tensors(layer).values():
+            tensor.weight_loader = layerwise._get_original_loader(tensor)
+        quant_method = getattr(layer, "quant_method", None)
+        if isinstance(quant_method, QuantizeMethodBase):
+            quant_method.process_weights_after_loading(layer)
+            if hasattr(layer, "update_param_tp_status"):
+                layer.update_param_tp_status()
+        if _ON_CPU:
+            vllm_cpu_fixes.prepack_reloaded_moe(layer, info.kernel_tensors[0])
+        layerwise._copy_and_restore_kernel_tensors(layer, info)
+        info.reset()
+
+    def finish(self) -> WeightUpdateReport:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        if _ON_CPU:
+            vllm_cpu_fixes.refresh_tied_lm_head(self.model)
+        expected = set(self.names)
+        return WeightUpdateReport(params_expected=len(expected),
+                                  params_loaded=len(self.written & expected),
+                                  missing=sorted(expected - self.written),
+                                  unexpected=sorted(self.written - expected))
