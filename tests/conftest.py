@@ -37,6 +37,8 @@ TIERS = {
     "test_offload": E2E,  # its launches hand memory over to a real vLLM engine
     "test_packing": UNIT,
     "test_parallel_dims": UNIT,
+    "test_plan_sync": E2E,  # real syncs through scripts/verify_sync.py: vLLM
+    "test_plan_sync_unit": UNIT,
     "test_presets": UNIT,
     "test_prompts": UNIT,
     "test_resharding_plan": UNIT,
@@ -50,6 +52,7 @@ TIERS = {
     "test_typed_config": UNIT,
     "test_value_model": DISTRIBUTED,
     "test_weight_sync": (E2E, {"test_stale_shared_memory_segments_are_removed": UNIT}),
+    "test_weight_sync_fuzz": (E2E, {"test_seeds_cover_the_risky_corners": UNIT}),
     "test_weight_transforms": UNIT,
 }
 

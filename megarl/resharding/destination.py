@@ -252,7 +252,7 @@ def check_rollout(arch: ModelArch, rollout: RolloutLayout, world: int) -> None:
     if arch.num_kv_heads % rollout.tp and rollout.tp % arch.num_kv_heads:
         problems.append(f"rollout tp {rollout.tp} must divide the {arch.num_kv_heads} KV heads or "
                         "be a multiple of them (vLLM then replicates each KV head)")
-    if arch.ffn_hidden_size % rollout.tp:
+    if not arch.num_experts and arch.ffn_hidden_size % rollout.tp:  # MoE families: every layer MoE
         problems.append(f"rollout tp {rollout.tp} must divide intermediate_size {arch.ffn_hidden_size}")
     if arch.num_experts and rollout.ep > 1 and arch.num_experts % rollout.ep:
         problems.append(f"rollout ep {rollout.ep} must divide the {arch.num_experts} experts")

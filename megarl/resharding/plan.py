@@ -92,20 +92,36 @@ class Bucket:
 
 
 def _rounds(copies: List[Copy], bucket_bytes: int) -> Tuple[Tuple[Copy, ...], ...]:
-    """Split a bucket's copies so no rank sends plus receives more than `bucket_bytes` at once:
-    a module larger than the bucket is still opened whole, but moved in bucket-sized rounds."""
+    """Split a bucket's copies so no rank sends plus receives more than `bucket_bytes` in one
+    round (a single larger copy gets a round to itself on its ranks): a module larger than the
+    bucket is still opened whole, but moved in bucket-sized rounds. First fit: each copy goes to
+    the first round where both its ranks still have room, so a round serves many receivers at
+    once instead of the next few in rank order."""
     rounds: List[List[Copy]] = [[]]
-    traffic: Dict[int, int] = {}
+    traffic: List[Dict[int, int]] = [{}]
+    first_open: Dict[int, int] = {}  # per rank: rounds before this one are full for it
+
+    def fits(i: int, rank: int, nbytes: int) -> bool:
+        used = traffic[i].get(rank, 0)
+        return used == 0 or used + nbytes <= bucket_bytes
+
     for copy in copies:
-        if copy.src != copy.dst:
-            ends = (copy.src, copy.dst)
-            if rounds[-1] and any(traffic.get(r, 0) + copy.nbytes > bucket_bytes for r in ends):
-                rounds.append([])
-                traffic = {}
-            for r in ends:
-                traffic[r] = traffic.get(r, 0) + copy.nbytes
-        rounds[-1].append(copy)
-    return tuple(tuple(r) for r in rounds)
+        if copy.src == copy.dst:
+            rounds[0].append(copy)
+            continue
+        i = max(first_open.get(copy.src, 0), first_open.get(copy.dst, 0))
+        while i < len(rounds) and not (fits(i, copy.src, copy.nbytes) and fits(i, copy.dst, copy.nbytes)):
+            i += 1
+        if i == len(rounds):
+            rounds.append([])
+            traffic.append({})
+        rounds[i].append(copy)
+        for rank in (copy.src, copy.dst):
+            traffic[i][rank] = traffic[i].get(rank, 0) + copy.nbytes
+            while (first_open.get(rank, 0) < len(rounds)
+                   and traffic[first_open.get(rank, 0)].get(rank, 0) >= bucket_bytes):
+                first_open[rank] = first_open.get(rank, 0) + 1
+    return tuple(tuple(r) for r in rounds if r)
 
 
 @dataclass(frozen=True)
