@@ -32,6 +32,35 @@ QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B: 30.5B parameters, 3.3B activated
     "vocab_size": 151936,
 }
 
+QWEN3_235B_A22B = {  # Qwen/Qwen3-235B-A22B: 235B parameters, 22B activated
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 1536,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 94,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
 MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1 (and -Instruct-v0.1): 46.7B parameters, 12.9B active
     "architectures": ["MixtralForCausalLM"],
     "model_type": "mixtral",

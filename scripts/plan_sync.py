@@ -1,0 +1,162 @@
+"""Plan a Megatron -> vLLM weight sync for a cluster layout, without weights, and estimate its cost.
+
+  python scripts/plan_sync.py --hf-config docs/configs/qwen3-235b-a22b.json \\
+      --train tp=4,pp=2,cp=2,ep=16,etp=1 --rollout tp=8 --nodes 8 --gpus-per-node 8
+
+Builds the plan sync_weights executes (megarl/resharding/cluster_plan.py: the same layout_pieces,
+vllm_layout and build_plan; rank r on node r // gpus-per-node) and prints, per rank (all, or the
+busiest when there are many) and in total: bytes received and sent within a node and across
+nodes, bytes copied locally, P2P messages, planned peak memory (a bucket's opened engine tensors +
+its largest round's buffers, as sync.py counts it), and seconds at the stated link speeds.
+
+Seconds model; every constant has a flag (GB/s: 1e9 bytes/s per GPU per direction). One rank in
+one round of a bucket, in transport.py's order:
+  pre     = (its local copies + copies it sends) x --copy-us
+            + (bytes copied locally + bytes packed into send buffers) / --hbm-gbps
+  network = max(send, receive): both directions at once (full-duplex links, all of a round's
+            messages posted together); send = intra-node bytes / --nvlink-gbps + inter-node
+            bytes / --ib-gbps + messages x --message-us (NVLink and InfiniBand add up); receive alike
+  post    = copies it receives x --copy-us + bytes unpacked / --hbm-gbps
+  + --round-us
+Its messages flow once it and its peers in that round have done their `pre`; it then unpacks
+and goes on to its next round, waiting for nobody else. Every rank also walks every round's
+Copies, its own or not, and its SyncReport the whole plan (--scan-us per Copy).
+`seconds` is when the last rank is done under that schedule; `seconds_barrier` makes each phase
+of each round a barrier of all ranks (an upper bound); `seconds_rank_bound` is the busiest rank's own time
+alone (a lower bound).
+Defaults, assumed: H100 SXM NVLink 4 900 GB/s bidirectional -> 450; one 400 Gb/s InfiniBand NIC
+per GPU -> 50; 10 us a message; 100 us a round. Measured on one H100 (cluster_plan.Links): HBM
+copy 1500 GB/s, 25 us a Copy (launch-bound: a 1.5 MB slab's narrow + copy_), 0.5 us a Copy scanned.
+Not modelled: the engine's per-module processing after a load (vLLM's process_weights_after_
+loading), contention between ranks on a shared switch or PCIe link, NCCL's channel limits.
+
+The last line printed is one JSON object.
+"""
+
+import argparse
+import json
+import os
+
+from megarl.resharding import cluster_plan as cp
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--hf-config", required=True, help="an HF config.json, or its directory")
+    parser.add_argument("--train", required=True,
+                        help="training layout: tp=,pp=,cp=,ep=,etp=,vpp= (dp derived), e.g. tp=4,pp=2,ep=8")
+    parser.add_argument("--rollout", required=True, help="engine layout: tp=[,ep=], e.g. tp=8 or tp=8,ep=8")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--dtype", default=None, help="the model's dtype (default: the config's)")
+    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    links = cp.DEFAULT_LINKS
+    parser.add_argument("--nvlink-gbps", type=float, default=links.nvlink_gbps,
+                        help="GB/s per GPU per direction within a node (H100 NVLink 4: 900 / 2)")
+    parser.add_argument("--ib-gbps", type=float, default=links.ib_gbps,
+                        help="GB/s per GPU per direction across nodes (400 Gb/s InfiniBand = 50)")
+    parser.add_argument("--hbm-gbps", type=float, default=links.hbm_gbps,
+                        help="GB/s of a device-memory copy (local copies, packing, unpacking)")
+    parser.add_argument("--message-us", type=float, default=links.message_us, help="per P2P message")
+    parser.add_argument("--copy-us", type=float, default=links.copy_us,
+                        help="per Copy of the plan a rank handles (its launches and Python)")
+    parser.add_argument("--round-us", type=float, default=links.round_us, help="per round of a bucket")
+    parser.add_argument("--scan-us", type=float, default=links.scan_us,
+                        help="per Copy of the plan each rank walks past, per pass")
+    parser.add_argument("--max-regions", type=int, default=cp.MAX_REGIONS,
+                        help="above this many destination regions, plan one engine per distinct placement")
+    parser.add_argument("--all-engines", action="store_true", help="plan every engine, however many")
+    parser.add_argument("--show", type=int, default=8, help="ranks listed when there are more than 16")
+    return parser
+
+
+def _load_config(path: str) -> dict:
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--hf-config {path!r}: no such file (pass a config.json or its directory)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def build(args: argparse.Namespace) -> cp.ClusterPlan:
+    """The plan the parsed arguments describe; ValueError names what is wrong."""
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise ValueError(f"--nodes {args.nodes} and --gpus-per-node {args.gpus_per_node} must be positive")
+    if not args.bucket_mb > 0:
+        raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+    arch = cp.arch_of(_load_config(args.hf_config), args.dtype)
+    dims = cp.train_dims(args.train, args.nodes * args.gpus_per_node)
+    rollout = cp.rollout_layout(args.rollout)
+    links = cp.Links(args.nvlink_gbps, args.ib_gbps, args.hbm_gbps, args.message_us, args.copy_us,
+                     args.round_us, args.scan_us)
+    return cp.plan_cluster(arch, dims, rollout, args.gpus_per_node, int(args.bucket_mb * 2**20), links,
+                           max_regions=10**18 if args.all_engines else args.max_regions)
+
+
+def _table(result: cp.ClusterPlan, show: int) -> None:
+    ranks = sorted(result.ranks.values(), key=lambda s: s.rank)
+    if len(ranks) > 16:
+        ranks = sorted(ranks, key=lambda s: -s.seconds)[:show]
+        print(f"busiest {len(ranks)} of {len(result.ranks)} ranks (by their own time):")
+    head = ("rank", "node", "recv intra", "recv inter", "sent intra", "sent inter", "local",
+            "msgs sent/recv", "copies", "peak", "own s")
+    rows = [head] + [(str(s.rank), str(s.rank // result.gpus_per_node), cp.gb(s.recv_intra),
+                      cp.gb(s.recv_inter), cp.gb(s.sent_intra), cp.gb(s.sent_inter), cp.gb(s.local_bytes),
+                      f"{s.messages}/{s.messages_received}", str(s.copies), cp.gb(s.peak_bytes),
+                      f"{s.seconds:.3f}") for s in ranks]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for row in rows:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+
+
+def report(result: cp.ClusterPlan, show: int = 8) -> dict:
+    """Print the plan's figures; the last line is the summary as JSON (also returned)."""
+    summary = result.summary()
+    arch, dims, timing = result.arch, result.dims, result.timing
+    params = result.model_bytes / cp.DTYPES[arch.dtype].itemsize
+    print(f"model: {arch.architecture}, {params / 1e9:.1f}B parameters (vocabulary padded as "
+          f"Megatron pads it), {cp.gb(result.model_bytes)} in {arch.dtype}")
+    print("train: " + " ".join(f"{k}={v}" for k, v in dims.describe().items() if k != "world_size")
+          + f" (world {result.world} = {result.nodes} nodes x {result.gpus_per_node})")
+    print(f"rollout: tp={result.rollout.tp} ep={result.rollout.ep}: {result.engines} engines of "
+          f"{result.rollout.size} ranks; {result.note()}")
+    print(f"plan: {result.buckets} buckets of {result.bucket_bytes / 2**20:g} MiB, {timing.rounds} rounds "
+          f"({timing.ranks_per_round:.1f} ranks exchanging, {timing.receivers_per_round:.1f} receiving "
+          f"per round on average), {result.copies} copies; built in {result.plan_seconds:.1f} s, "
+          f"costed in {result.stats_seconds:.1f} s")
+    _table(result, show)
+    every = result.ranks.values()
+    print(f"total: {cp.gb(sum(s.recv_intra for s in every))} moved within nodes, "
+          f"{cp.gb(sum(s.recv_inter for s in every))} across nodes, "
+          f"{cp.gb(sum(s.local_bytes for s in every))} copied locally, {summary['messages']} messages"
+          + ("" if result.complete else " (planned engines only)"))
+    print(f"per rank, max: received {cp.gb(summary['max_bytes_received_per_rank'])}, sent "
+          f"{cp.gb(summary['max_bytes_sent_per_rank'])}, inter-node "
+          f"{cp.gb(summary['max_bytes_inter_node_per_rank'])}, shard "
+          f"{cp.gb(summary['max_shard_bytes_per_rank'])}, messages sent {summary['max_messages_per_rank']}, "
+          f"peak {cp.gb(summary['peak_bytes_per_rank'])}")
+    print("assumptions: " + ", ".join(f"{k} {v:g}" for k, v in summary["assumptions"].items()))
+    busiest = result.ranks[summary["busiest_rank"]]
+    print("busiest rank, whole sync: " + cp.arithmetic(busiest, result.links))
+    terms = summary["busiest_rank_seconds_by_term"]
+    print(f"seconds: {timing.seconds:.3f} (dependency schedule); bounds: {timing.seconds_rank_bound:.3f} "
+          f"(busiest rank alone) .. {timing.seconds_barrier:.3f} (every phase a barrier); the busiest "
+          f"rank's largest term: {summary['floor']} ({terms[summary['floor']]:.3f} s of "
+          f"{sum(terms.values()):.3f})")
+    print(json.dumps(summary))
+    return summary
+
+
+def main(argv=None) -> dict:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        result = build(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return report(result, args.show)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The cluster planner (megarl/resharding/cluster_plan.py, scripts/plan_sync.py) in one process: its
+per-rank figures are the plan's own, its seconds are the stated arithmetic, planning one engine
+per placement gives every engine's receiving figures, and bad flags fail with the flag named.
+tests/test_plan_sync.py checks the same figures against real syncs."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from megarl.models.hf_config import ModelArch
+from megarl.parallel_state.dims import ParallelDims
+from megarl.resharding import cluster_plan as cp
+from megarl.resharding.destination import DestTensor, Region, RolloutLayout, vllm_layout
+from megarl.resharding.plan import Bucket, Copy, Plan, build_plan
+from megarl.resharding.source_layout import layout_pieces
+from tests.published_configs import QWEN3_30B_A3B, QWEN3_235B_A22B
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _moe(**kw) -> ModelArch:
+    base = dict(family="qwen3_moe", architecture="Qwen3MoeForCausalLM", vocab_size=256, hidden_size=32,
+                ffn_hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, norm_eps=1e-6,
+                rope_theta=1e4, max_position_embeddings=64, tie_embeddings=False, qkv_bias=False,
+                qk_norm=True, dtype="bfloat16", num_experts=8, moe_topk=2, moe_ffn_hidden_size=16)
+    return ModelArch(**{**base, **kw})
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("plan_sync", os.path.join(ROOT, "scripts", "plan_sync.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("train,rollout,nodes", [
+    ("tp=2,pp=2,ep=2", "tp=2", 2), ("tp=2,ep=4,etp=1", "tp=4", 2), ("pp=2,ep=4", "tp=2,ep=2", 4),
+    ("tp=2,pp=2,ep=2,etp=1", "tp=1", 2)])
+def test_per_rank_figures_are_the_plans(train, rollout, nodes):
+    arch = _moe()
+    dims = cp.train_dims(train, nodes * 4)
+    layout = vllm_layout(arch, cp.rollout_layout(rollout), dims.world_size)
+    node_of = tuple(r // 4 for r in range(dims.world_size))
+    plan = build_plan(layout_pieces(arch, dims), tuple(sorted(layout.items())), 2**14, node_of)
+    stats, timing = cp.plan_stats(plan, node_of, 2)
+    assert timing.rounds == sum(len(b.rounds) for b in plan.buckets)
+    inter = 0
+    for rank in range(dims.world_size):
+        st = stats[rank]
+        assert (st.received, st.sent, st.shard_bytes) == (plan.received(rank), plan.sent(rank),
+                                                          plan.shard_bytes(rank))
+        inter += st.recv_inter
+        remote = [c for b in plan.buckets for c in b.copies if c.dst == rank != c.src]
+        assert st.recv_inter == sum(c.nbytes for c in remote if node_of[c.src] != node_of[rank])
+        assert 0 < st.peak_bytes
+    assert inter == sum(stats[r].sent_inter for r in range(dims.world_size))
+    assert (inter > 0) == (dims.pp > 1)  # the stages sit on different nodes
+
+
+def _copy(src, dst, numel, dim=0, tensor="m.w", itemsize_dtype="torch.float32"):
+    return Copy(src, dst, "c", 0, dim, 0, 1, tensor, None, 0, numel, itemsize_dtype)
+
+
+def test_seconds_arithmetic_by_hand():
+    """Ranks 0, 1 on node 0, rank 2 on node 1. One round: rank 1 sends rank 0 a direct slab of
+    4e6 bytes over NVLink, rank 2 sends it two packed slabs of 1e5 bytes over InfiniBand (one
+    message), and rank 0 copies 3e6 bytes locally."""
+    links = cp.Links(nvlink_gbps=0.1, ib_gbps=0.01, hbm_gbps=1.0, message_us=10, copy_us=2,
+                     round_us=100, scan_us=1)
+    copies = (_copy(1, 0, 1_000_000), _copy(2, 0, 25_000, dim=1), _copy(2, 0, 25_000, dim=1),
+              _copy(0, 0, 750_000))
+    tensors = {0: (DestTensor("m.w", (5_000, 1_000), (Region("c", 0, 0, 5_000, 0),)),)}
+    plan = Plan((Bucket(("m",), (copies,)),), tensors)
+    stats, timing = cp.plan_stats(plan, (0, 0, 1), 4, links)
+    r0, r1, r2 = stats[0], stats[1], stats[2]
+    assert (r0.recv_intra, r0.recv_inter, r0.local_bytes, r0.packed_bytes) == (4e6, 2e5, 3e6, 2e5)
+    assert (r0.messages, r0.messages_received, r1.messages, r2.messages) == (0, 2, 1, 1)
+    # rank 0: pre: 1 local copy x 2 us + 3e6 / 1e9; network: receive 4e6 / 0.1e9 + 2e5 / 0.01e9
+    # + 2 messages x 10 us; post: 3 received copies x 2 us + 2e5 unpacked / 1e9; a 100 us round;
+    # 4 copies scanned x 1 us
+    pre, network, post = 2e-6 + 3e-3, 0.04 + 0.02 + 2e-5, 6e-6 + 2e-4
+    expect0 = pre + network + post + 1e-4 + 4e-6
+    assert r0.seconds == pytest.approx(expect0)
+    assert (r0.terms["pre"], r0.terms["network"], r0.terms["post"]) == pytest.approx((pre, network, post))
+    # rank 2: pre: 2 copies x 2 us + packs 2e5 bytes; send 2e5 / 0.01e9 + 1 message; no post
+    assert r2.seconds == pytest.approx(4e-6 + 2e-4 + 0.02 + 1e-5 + 1e-4 + 4e-6)
+    # Rank 0 posts last (its pre is the longest) and has the most to receive: it ends the sync.
+    assert timing.seconds == timing.seconds_barrier == timing.seconds_rank_bound == pytest.approx(expect0)
+    # Peak: the opened tensor (5e6 elements x 4 bytes) + the round's buffers (2e5 packed bytes).
+    assert r0.peak_bytes == 20_000_000 + 200_000
+
+
+def test_rounds_run_in_parallel_unless_they_share_a_rank():
+    links = cp.Links(nvlink_gbps=1.0, message_us=0, copy_us=0, round_us=0, scan_us=0)
+    big = 2**20 // 4  # a direct message of 1 MiB
+    apart = Plan((Bucket(("m",), ((_copy(0, 1, big),), (_copy(2, 3, 2 * big),))),), {})
+    chained = Plan((Bucket(("m",), ((_copy(0, 1, big),), (_copy(1, 2, 2 * big),))),), {})
+    one, two = 2**20 / 1e9, 2 * 2**20 / 1e9
+    _, t = cp.plan_stats(apart, (0,) * 4, 4, links)
+    assert (t.seconds, t.seconds_barrier, t.seconds_rank_bound) == pytest.approx((two, one + two, two))
+    _, t = cp.plan_stats(chained, (0,) * 4, 4, links)
+    assert (t.seconds, t.seconds_barrier, t.seconds_rank_bound) == pytest.approx((one + two,) * 3)
+
+
+def test_one_engine_per_placement_gives_every_engines_receiving_figures():
+    arch = _moe(num_layers=2)
+    for train, rollout, nodes in (("tp=2,pp=2,ep=2", "tp=4", 4), ("tp=2,ep=4,etp=1", "tp=2", 2)):
+        dims, ro = cp.train_dims(train, nodes * 4), cp.rollout_layout(rollout)
+        full = cp.plan_cluster(arch, dims, ro, 4, 2**14)
+        part = cp.plan_cluster(arch, dims, ro, 4, 2**14, max_regions=0)
+        assert full.complete and not part.complete and len(part.engines_planned) < part.engines
+        assert part.summary()["engines_planned"] == len(part.engines_planned)
+        planned = {cp._signature(dims, range(e * ro.size, (e + 1) * ro.size), 4): e
+                   for e in part.engines_planned}
+        for engine in range(full.engines):
+            ranks = range(engine * ro.size, (engine + 1) * ro.size)
+            twin = planned[cp._signature(dims, ranks, 4)]
+            for rank in ranks:
+                a, b = full.ranks[rank], part.ranks[twin * ro.size + rank % ro.size]
+                for key in ("recv_intra", "recv_inter", "local_bytes", "shard_bytes"):
+                    assert getattr(a, key) == getattr(b, key), (train, rollout, rank, key)
+        for key in ("max_bytes_received_per_rank", "max_bytes_inter_node_received_per_rank",
+                    "max_shard_bytes_per_rank"):
+            assert full.summary()[key] == part.summary()[key], key
+        assert "lower bounds" in part.note()
+
+
+@pytest.mark.parametrize("train,message", [
+    ("tp=2,tq=4", "--train 'tp=2,tq=4': unknown key 'tq'"),
+    ("tp=two", "tp='two' must be a positive integer"),
+    ("tp=0", "tp='0' must be a positive integer"),
+    ("tp", "'tp' is not key=value"),
+    ("tp=2,tp=2", "tp given twice"),
+    ("tp=3", r"tp\(3\) \* pp\(1\) \* cp\(1\) \* dp\(\?\) must equal world size 16"),
+    ("tp=2,dp=4", "dp=4, but world 16 / .* = 8"),
+])
+def test_bad_train_layouts_name_the_problem(train, message):
+    with pytest.raises(ValueError, match=message):
+        cp.train_dims(train, 16)
+
+
+def test_bad_rollouts_and_model_layouts_name_the_problem():
+    with pytest.raises(ValueError, match="--rollout 'pp=2': unknown key 'pp'; expected one of tp, ep"):
+        cp.rollout_layout("pp=2")
+    with pytest.raises(ValueError, match="rollout ep 3: .* multiple of the rollout tp"):
+        cp.rollout_layout("tp=2,ep=3")
+    arch = _moe()
+    with pytest.raises(ValueError, match="rollout tp 8 must divide the 4 attention heads"):
+        cp.plan_cluster(arch, ParallelDims(16, tp=2), RolloutLayout(8), 8, 2**20)
+    with pytest.raises(ValueError, match="gpus per node 3 must divide the world size 16"):
+        cp.plan_cluster(arch, ParallelDims(16, tp=2), RolloutLayout(2), 3, 2**20)
+    with pytest.raises(ValueError, match="num_experts|divisible"):
+        cp.plan_cluster(arch, ParallelDims(16, ep=16), RolloutLayout(2), 8, 2**20)
+    with pytest.raises(ValueError, match="--dtype 'fp8'"):
+        cp.arch_of(QWEN3_30B_A3B, "fp8")
+    with pytest.raises(ValueError, match="ib_gbps must be positive"):
+        cp.Links(ib_gbps=0)
+
+
+def test_the_script_prints_one_json_object_last(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN3_30B_A3B | {"num_hidden_layers": 2, "vocab_size": 4096}))
+    plan_sync = _script()
+    summary = plan_sync.main(["--hf-config", str(tmp_path), "--train", "tp=2,pp=2,ep=2,etp=1",
+                              "--rollout", "tp=4", "--nodes", "2", "--gpus-per-node", "4",
+                              "--bucket-mb", "64"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    last = json.loads(lines[-1])
+    assert last == json.loads(json.dumps(summary))
+    for key in ("seconds", "max_bytes_received_per_rank", "max_bytes_inter_node_per_rank", "messages",
+                "peak_bytes_per_rank", "engines", "engines_planned", "world", "model_bytes",
+                "max_shard_bytes_per_rank", "assumptions", "seconds_rank_bound", "seconds_barrier"):
+        assert key in last, key
+    assert last["world"] == 8 and last["engines"] == last["engines_planned"] == 2
+    assert last["seconds_rank_bound"] <= last["seconds"] <= last["seconds_barrier"]
+    assert last["max_bytes_inter_node_per_rank"] > 0 and last["messages"] > 0
+    assert any(line.startswith("busiest rank, whole sync: rank ") for line in lines)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--train", "tp=2,bogus=1"], "unknown key 'bogus'"),
+    (["--rollout", "tp=3"], "rollout tp 3 must divide the 32 attention heads"),
+    (["--nodes", "0"], "--nodes 0 and --gpus-per-node 8 must be positive"),
+    (["--hf-config", "/nonexistent/config.json"], "no such file"),
+])
+def test_the_script_refuses_bad_flags(flags, message, capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    args = {"--hf-config": str(tmp_path), "--train": "tp=2", "--rollout": "tp=2", "--nodes": "1"}
+    args.update(dict(zip(flags[::2], flags[1::2])))
+    with pytest.raises(SystemExit) as exit_info:
+        _script().main([item for pair in args.items() for item in pair])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_published_config_files_are_the_published_configs():
+    for name, config in (("qwen3-30b-a3b", QWEN3_30B_A3B), ("qwen3-235b-a22b", QWEN3_235B_A22B)):
+        with open(os.path.join(ROOT, "docs", "configs", f"{name}.json")) as f:
+            assert json.load(f) == config, name
+    arch = cp.arch_of(QWEN3_235B_A22B)
+    shape = (arch.num_layers, arch.num_experts, arch.moe_ffn_hidden_size, arch.hidden_size)
+    assert shape == (94, 128, 1536, 4096)
