@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.launch import run
+from tests.launch import last_json, run
 
 # Tiers (markers registered in pytest.ini): `pytest -m unit` is `make test-quick`.
 UNIT = "unit"  # in this process only: no subprocess, no process group, no vLLM; seconds
@@ -99,6 +99,22 @@ def hf_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     return {name: make_named(name, str(root / name)) for name in MODELS}
+
+
+@pytest.fixture(scope="session")
+def verified_sync(hf_models):
+    """scripts/verify_sync.py (actor perturbed by 0.05) at one layout, run once per session per
+    (world, model, flags) and shared: the sync tests and the planner's comparison read one run."""
+    results = {}
+
+    def get(world: int, model: str, flags) -> dict:
+        key = (world, model, tuple(flags))
+        if key not in results:
+            results[key] = last_json(run("scripts/verify_sync.py", "--hf-dir", hf_models[model],
+                                         "--perturb", "0.05", *flags, nproc=world, timeout=900))
+        return results[key]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -10,15 +10,11 @@ import pytest
 from megarl.models.hf_config import load_arch
 from megarl.resharding import cluster_plan as cp
 from tests.launch import last_json, run
+from tests.test_weight_sync import CASES as SYNC_CASES
 
-CASES = {
-    # name: (world size, model, training flags, rollout tp, bucket MiB)
-    "tp2_into_rollout_tp1": (2, "qwen3", ["--tp", "2"], 1, 256.0),
-    "ep2_into_rollout_tp1": (2, "qwen3_moe", ["--ep", "2"], 1, 256.0),
-    "tp2_pp2_into_rollout_tp1": (4, "qwen3", ["--tp", "2", "--pp", "2"], 1, 256.0),
-    "tp2_ep2_etp1_into_rollout_tp2_small_buckets": (
-        2, "qwen3_moe", ["--tp", "2", "--ep", "2", "--etp", "1"], 2, 0.25),
-}
+# The real syncs are tests/test_weight_sync.py's runs of these cases (one run, shared).
+CASES = ["tp2_into_rollout_tp1", "ep2_into_two_independent_engines", "tp2_pp2_into_rollout_tp1",
+         "tp2_ep2_etp1_small_buckets"]
 FIGURES = {"bytes_received": "received", "bytes_sent": "sent", "shard_bytes": "shard_bytes",
            "messages": "messages", "peak_extra_bytes": "peak_bytes"}
 
@@ -27,12 +23,19 @@ def _train(flags):
     return ",".join(f"{name[2:]}={value}" for name, value in zip(flags[::2], flags[1::2]))
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_planner_reports_what_the_real_sync_did(case, hf_models):
-    world, model, flags, rollout_tp, bucket_mb = CASES[case]
-    real = last_json(run("scripts/verify_sync.py", "--hf-dir", hf_models[model], *flags,
-                         "--rollout-tp", str(rollout_tp), "--bucket-mb", str(bucket_mb),
-                         nproc=world, timeout=900))
+def _split(flags):
+    """verify_sync flags -> (training flags, rollout tp, bucket MiB)."""
+    values = dict(zip(flags[::2], flags[1::2]))
+    train = [x for name, value in values.items() if name not in ("--rollout-tp", "--bucket-mb")
+             for x in (name, value)]
+    return train, int(values.get("--rollout-tp", 1)), float(values.get("--bucket-mb", 256.0))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_planner_reports_what_the_real_sync_did(case, hf_models, verified_sync):
+    world, model, all_flags = SYNC_CASES[case]
+    flags, rollout_tp, bucket_mb = _split(all_flags)
+    real = verified_sync(world, model, all_flags)
     assert real["max_abs_logprob_diff"] <= 1e-4, real
     planned = cp.plan_cluster(load_arch(hf_models[model]), cp.train_dims(_train(flags), world),
                               cp.rollout_layout(f"tp={rollout_tp}"), world, int(bucket_mb * 2**20))

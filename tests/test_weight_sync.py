@@ -26,10 +26,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_sync_makes_vllm_match_the_actor(case, hf_models):
+def test_sync_makes_vllm_match_the_actor(case, verified_sync):
     world, model, flags = CASES[case]
-    result = last_json(run("scripts/verify_sync.py", "--hf-dir", hf_models[model],
-                           "--perturb", "0.05", *flags, nproc=world, timeout=900))
+    result = verified_sync(world, model, flags)
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["max_abs_logprob_diff_before_sync"] >= 0.05, result
     assert result["params_synced"] == result["params_expected"] > 0, result
