@@ -19,14 +19,17 @@ one round of a bucket, in transport.py's order:
   post    = copies it receives x --copy-us + bytes unpacked / --hbm-gbps
   + --round-us
 Its messages flow once it and its peers in that round have done their `pre`; it then unpacks
-and goes on to its next round, waiting for nobody else. Every rank also walks every round's
-Copies, its own or not, and its SyncReport the whole plan (--scan-us per Copy).
+and goes on to its next round, waiting for nobody else (each rank runs only its own share of
+the plan, indexed once when the plan is built).
 `seconds` is when the last rank is done under that schedule; `seconds_barrier` makes each phase
 of each round a barrier of all ranks (an upper bound); `seconds_rank_bound` is the busiest rank's own time
 alone (a lower bound).
 Defaults, assumed: H100 SXM NVLink 4 900 GB/s bidirectional -> 450; one 400 Gb/s InfiniBand NIC
 per GPU -> 50; 10 us a message; 100 us a round. Measured on one H100 (cluster_plan.Links): HBM
-copy 1500 GB/s, 25 us a Copy (launch-bound: a 1.5 MB slab's narrow + copy_), 0.5 us a Copy scanned.
+copy 1500 GB/s. 5 us a Copy: its views and its share of the round's batched copy
+(bench/bench_sync_copies.py: 6.3-6.7 us on a 2-core CPU machine, views 4.5 us; not measured on a
+GPU host); one launch per slab, as the transport wrote copies before it batched them, was 25 us on
+an H100 (--copy-us 25).
 Not modelled: the engine's per-module processing after a load (vLLM's process_weights_after_
 loading), contention between ranks on a shared switch or PCIe link, NCCL's channel limits.
 
@@ -61,8 +64,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--copy-us", type=float, default=links.copy_us,
                         help="per Copy of the plan a rank handles (its launches and Python)")
     parser.add_argument("--round-us", type=float, default=links.round_us, help="per round of a bucket")
-    parser.add_argument("--scan-us", type=float, default=links.scan_us,
-                        help="per Copy of the plan each rank walks past, per pass")
     parser.add_argument("--max-regions", type=int, default=cp.MAX_REGIONS,
                         help="above this many destination regions, plan one engine per distinct placement")
     parser.add_argument("--all-engines", action="store_true", help="plan every engine, however many")
@@ -89,7 +90,7 @@ def build(args: argparse.Namespace) -> cp.ClusterPlan:
     dims = cp.train_dims(args.train, args.nodes * args.gpus_per_node)
     rollout = cp.rollout_layout(args.rollout)
     links = cp.Links(args.nvlink_gbps, args.ib_gbps, args.hbm_gbps, args.message_us, args.copy_us,
-                     args.round_us, args.scan_us)
+                     args.round_us)
     return cp.plan_cluster(arch, dims, rollout, args.gpus_per_node, int(args.bucket_mb * 2**20), links,
                            max_regions=10**18 if args.all_engines else args.max_regions)
 

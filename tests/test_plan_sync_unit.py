@@ -68,7 +68,7 @@ def test_seconds_arithmetic_by_hand():
     4e6 bytes over NVLink, rank 2 sends it two packed slabs of 1e5 bytes over InfiniBand (one
     message), and rank 0 copies 3e6 bytes locally."""
     links = cp.Links(nvlink_gbps=0.1, ib_gbps=0.01, hbm_gbps=1.0, message_us=10, copy_us=2,
-                     round_us=100, scan_us=1)
+                     round_us=100)
     copies = (_copy(1, 0, 1_000_000), _copy(2, 0, 25_000, dim=1), _copy(2, 0, 25_000, dim=1),
               _copy(0, 0, 750_000))
     tensors = {0: (DestTensor("m.w", (5_000, 1_000), (Region("c", 0, 0, 5_000, 0),)),)}
@@ -78,14 +78,13 @@ def test_seconds_arithmetic_by_hand():
     assert (r0.recv_intra, r0.recv_inter, r0.local_bytes, r0.packed_bytes) == (4e6, 2e5, 3e6, 2e5)
     assert (r0.messages, r0.messages_received, r1.messages, r2.messages) == (0, 2, 1, 1)
     # rank 0: pre: 1 local copy x 2 us + 3e6 / 1e9; network: receive 4e6 / 0.1e9 + 2e5 / 0.01e9
-    # + 2 messages x 10 us; post: 3 received copies x 2 us + 2e5 unpacked / 1e9; a 100 us round;
-    # 4 copies scanned x 1 us
+    # + 2 messages x 10 us; post: 3 received copies x 2 us + 2e5 unpacked / 1e9; a 100 us round
     pre, network, post = 2e-6 + 3e-3, 0.04 + 0.02 + 2e-5, 6e-6 + 2e-4
-    expect0 = pre + network + post + 1e-4 + 4e-6
+    expect0 = pre + network + post + 1e-4
     assert r0.seconds == pytest.approx(expect0)
     assert (r0.terms["pre"], r0.terms["network"], r0.terms["post"]) == pytest.approx((pre, network, post))
     # rank 2: pre: 2 copies x 2 us + packs 2e5 bytes; send 2e5 / 0.01e9 + 1 message; no post
-    assert r2.seconds == pytest.approx(4e-6 + 2e-4 + 0.02 + 1e-5 + 1e-4 + 4e-6)
+    assert r2.seconds == pytest.approx(4e-6 + 2e-4 + 0.02 + 1e-5 + 1e-4)
     # Rank 0 posts last (its pre is the longest) and has the most to receive: it ends the sync.
     assert timing.seconds == timing.seconds_barrier == timing.seconds_rank_bound == pytest.approx(expect0)
     # Peak: the opened tensor (5e6 elements x 4 bytes) + the round's buffers (2e5 packed bytes).
@@ -93,7 +92,7 @@ def test_seconds_arithmetic_by_hand():
 
 
 def test_rounds_run_in_parallel_unless_they_share_a_rank():
-    links = cp.Links(nvlink_gbps=1.0, message_us=0, copy_us=0, round_us=0, scan_us=0)
+    links = cp.Links(nvlink_gbps=1.0, message_us=0, copy_us=0, round_us=0)
     big = 2**20 // 4  # a direct message of 1 MiB
     apart = Plan((Bucket(("m",), ((_copy(0, 1, big),), (_copy(2, 3, 2 * big),))),), {})
     chained = Plan((Bucket(("m",), ((_copy(0, 1, big),), (_copy(1, 2, 2 * big),))),), {})

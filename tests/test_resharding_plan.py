@@ -234,13 +234,33 @@ def test_buckets_hold_whole_modules_and_rounds_fit_the_bucket():
     modules = [m for b in small.buckets for m in b.modules]
     assert len(modules) == len(set(modules)) and len(small.buckets) > 4
     for bucket in small.buckets:
-        for copies in bucket.rounds:
-            remote, traffic = [c for c in copies if c.src != c.dst], {}
-            for c in remote:
+        for i, copies in enumerate(bucket.rounds):
+            packed, buffers = [c for c in copies if c.src != c.dst and not c.direct], {}
+            for c in packed:
                 for r in (c.src, c.dst):
-                    traffic[r] = traffic.get(r, 0) + c.nbytes
-            assert len(remote) <= 1 or max(traffic.values()) <= 4096
+                    buffers[r] = buffers.get(r, 0) + c.nbytes
+            assert len(packed) <= 1 or max(buffers.values()) <= 4096
+            assert i == 0 or len(packed) == len(copies)  # local and direct copies: round 0
     assert build_plan(pieces, layout, 4096) is small  # cached per layout
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_ranks_work_is_its_share_of_every_round(seed):
+    """Plan.rank_work (what transport.exchange runs on a rank) is exactly the copies of each
+    round that the rank sends or receives, in plan order, bucket by bucket."""
+    rng = random.Random(seed)
+    arch = _arch(num_layers=rng.choice([2, 4]), hidden_size=rng.choice([32, 512]),
+                 ffn_hidden_size=rng.choice([64, 1024]))
+    dims = ParallelDims(world_size=4, **rng.choice([dict(tp=2), dict(pp=2), dict(tp=2, pp=2)]))
+    layout = tuple(sorted(vllm_layout(arch, RolloutLayout(rng.choice([1, 2])), 4).items()))
+    plan = build_plan(layout_pieces(arch, dims), layout, rng.choice([4096, 2**18, 2**22]))
+    assert arch.hidden_size == 512 or not any(c.direct for b in plan.buckets for c in b.copies)
+    for rank in range(4):
+        work = plan.rank_work(rank)
+        assert len(work) == len(plan.buckets)
+        for bucket, rounds in zip(plan.buckets, work):
+            expected = [tuple(c for c in copies if rank in (c.src, c.dst)) for copies in bucket.rounds]
+            assert rounds == tuple(r for r in expected if r)
 
 
 @pytest.mark.parametrize("pieces,message", [

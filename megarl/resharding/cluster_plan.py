@@ -4,7 +4,7 @@ scripts/plan_sync.py is its command line. The plan is the very one sync_weights 
 training ranks' pieces from source_layout.layout_pieces, each vLLM rank's tensors from
 destination.vllm_layout, cut by plan.build_plan with each rank's node. `plan_stats` reads, in one
 pass over the plan, what each rank receives and sends within its node and across nodes, the
-messages transport.py posts for it (the same rule: transport._direct), and its planned peak
+messages transport.py posts for it (the same rule: Copy.direct), and its planned peak
 memory (as sync.py counts it: a bucket's opened engine tensors + its largest round's buffers),
 and turns that into seconds at stated link speeds (every constant is a field of `Links`; the
 model is written out in scripts/plan_sync.py's docstring).
@@ -25,7 +25,7 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from megarl.models.hf_config import DTYPES, ModelArch, arch_from_hf_config
 from megarl.parallel_state.dims import ParallelDims
-from megarl.resharding import metadata, transport
+from megarl.resharding import metadata
 from megarl.resharding.destination import RolloutLayout, check_rollout, vllm_layout
 from megarl.resharding.plan import Plan, build_plan
 from megarl.resharding.source_layout import layout_pieces, rank_coords
@@ -91,18 +91,21 @@ def arch_of(config: dict, dtype: Optional[str] = None) -> ModelArch:
 @dataclass(frozen=True)
 class Links:
     """The cost model's constants. GB/s are 1e9 bytes per second, per GPU, per direction.
-    Measured on one H100 80GB HBM3 (torch 2.11, 2026-11-23): hbm_gbps (a 1 GiB bf16 copy_),
-    copy_us (narrow + copy_ of a 1.5 MB expert slab, as transport.py writes one Copy: launch-
-    bound, 23.7-25.8 us), scan_us (the transport's per-Copy filter 0.39 us + SyncReport's three
-    passes 3 x 0.043 us). Assumed: the link speeds (nominal), message_us, round_us."""
+    Measured on one H100 80GB HBM3 (torch 2.11, 2026-11-23): hbm_gbps (a 1 GiB bf16 copy_).
+    copy_us: the host work per Copy a rank handles. transport.py builds each Copy's source and
+    target views and writes a round's copies with one torch._foreach_copy_: 6.3-6.7 us a Copy
+    with 24 KB slabs on this project's 2-core CPU machine, the views alone 4.5 us
+    (bench/bench_sync_copies.py); taken as 5 us on a GPU host, where the copies of dense slabs
+    share kernel launches. One launch per slab (narrow + copy_ of a 1.5 MB expert slab on that
+    H100, launch-bound, 23.7-25.8 us) is what the transport did before it batched: --copy-us 25.
+    Assumed: the link speeds (nominal), message_us, round_us."""
     nvlink_gbps: float = 450.0   # H100 SXM NVLink 4: 900 GB/s bidirectional / 2
     ib_gbps: float = 50.0        # one 400 Gb/s InfiniBand NIC per GPU (DGX H100: 8 x CX-7)
     hbm_gbps: float = 1500.0     # device-memory copy, bytes copied per second
     message_us: float = 10.0     # per P2P message sent or received (NCCL send/recv)
-    copy_us: float = 25.0        # per Copy a rank handles (source or destination): its torch ops
+    copy_us: float = 5.0         # per Copy a rank handles (source or destination): views + its
+                                 # share of the round's batched copy
     round_us: float = 100.0      # per round (batch_isend_irecv + wait, buffers, engine open/close)
-    scan_us: float = 0.5         # per Copy of the plan, every rank, each sync: transport.exchange
-                                 # walks every round's copies for its own, SyncReport the plan
 
     def __post_init__(self):
         for name, value in asdict(self).items():
@@ -131,7 +134,7 @@ class RankStats:
     copies_pre: int = 0       # Copies it writes locally or sends
     copies_post: int = 0      # Copies it receives from other ranks
     peak_bytes: int = 0       # planned peak extra memory (SyncReport.peak_extra_bytes)
-    seconds: float = 0.0      # its own rounds back to back, + scanning (Timing.seconds_rank_bound)
+    seconds: float = 0.0      # its own rounds back to back (Timing.seconds_rank_bound)
     terms: Dict[str, float] = field(default_factory=dict)  # those seconds by phase
 
     @property
@@ -222,7 +225,7 @@ def _tally(copies, node_of: Tuple[int, ...]):
         s["sent_" + where] += nbytes
         peers.setdefault(src, set()).add(dst)
         peers.setdefault(dst, set()).add(src)
-        if transport._direct(c):  # the transport's own rule: a message of its own, or packed
+        if c.direct:  # the transport's own rule: a message of its own, or packed
             s["messages"] += 1
             d["messages_received"] += 1
         else:
@@ -238,23 +241,20 @@ def _tally(copies, node_of: Tuple[int, ...]):
 
 
 class _Schedule:
-    """When each rank is free in the dependency schedule (Timing.seconds). Every rank walks every
-    round's copies (scan_us each) whether or not it takes part: counted lazily, as `scanned`."""
+    """When each rank is free in the dependency schedule (Timing.seconds). A rank runs only its
+    own share of each round (Plan.rank_work): rounds it has no part in cost it nothing."""
 
     def __init__(self):
         self.ready: Dict[int, float] = {}
-        self.seen: Dict[int, float] = {}  # `scanned` when ready[rank] was set
-        self.scanned = 0.0
 
     def free(self, rank: int) -> float:
-        return self.ready.get(rank, 0.0) + self.scanned - self.seen.get(rank, 0.0)
+        return self.ready.get(rank, 0.0)
 
     def round(self, phases: Dict[int, Dict[str, float]], peers: Dict[int, set], round_s: float) -> None:
         posted = {rank: self.free(rank) + p["pre"] for rank, p in phases.items()}
         for rank, p in phases.items():
             start = max([posted[rank]] + [posted[peer] for peer in peers.get(rank, ())])
             self.ready[rank] = start + p["network"] + p["post"] + round_s
-            self.seen[rank] = self.scanned
 
 
 def plan_stats(plan: Plan, node_of: Tuple[int, ...], itemsize: int, links: Links = DEFAULT_LINKS,
@@ -269,12 +269,11 @@ def plan_stats(plan: Plan, node_of: Tuple[int, ...], itemsize: int, links: Links
         for t in tensors:
             mine[t.module] = mine.get(t.module, 0) + t.numel * itemsize
     schedule, barrier, rounds, exchanging, receiving = _Schedule(), 0.0, 0, 0, 0
-    round_s, scan_s = links.round_us * 1e-6, links.scan_us * 1e-6
+    round_s = links.round_us * 1e-6
     for bucket in plan.buckets:
         buffers: Dict[int, int] = {}
         for copies in bucket.rounds:
             rounds += 1
-            schedule.scanned += len(copies) * scan_s
             per, alloc, peers = _tally(copies, node_of)
             phases = {rank: _phases(tally, links) for rank, tally in per.items()}
             schedule.round(phases, peers, round_s)
@@ -284,16 +283,13 @@ def plan_stats(plan: Plan, node_of: Tuple[int, ...], itemsize: int, links: Links
             exchanging += len(peers)
             receiving += sum(1 for tally in per.values() if tally["messages_received"])
             barrier += sum(max((p[phase] for p in phases.values()), default=0.0)
-                           for phase in ("pre", "network", "post")) + round_s + len(copies) * scan_s
+                           for phase in ("pre", "network", "post")) + round_s
             for rank, nbytes in alloc.items():
                 buffers[rank] = max(buffers.get(rank, 0), nbytes)
         for rank in set(buffers) | set(module_bytes):
             opened = sum(module_bytes.get(rank, {}).get(m, 0) for m in bucket.modules)
             st = stats.setdefault(rank, RankStats(rank))
             st.peak_bytes = max(st.peak_bytes, opened + buffers.get(rank, 0))
-    for st in stats.values():
-        st.terms["scan"] = schedule.scanned
-        st.seconds += schedule.scanned
     timing = Timing(seconds=max((schedule.free(r) for r in range(len(node_of))), default=0.0),
                     seconds_barrier=barrier,
                     seconds_rank_bound=max((st.seconds for st in stats.values()), default=0.0),
@@ -474,4 +470,4 @@ def arithmetic(st: RankStats, links: Links) -> str:
             f"{direction(st.sent_intra, st.sent_inter, st.messages)}, the larger per round, summed "
             f"= {t.get('network', 0):.3f} s; post {st.copies_post} copies x {links.copy_us:g} us + "
             f"{gb(st.packed_received)} unpacked / {hbm:g} GB/s = {t.get('post', 0):.3f} s; rounds "
-            f"{t.get('round', 0):.3f} s; scan {t.get('scan', 0):.3f} s; total {st.seconds:.3f} s")
+            f"{t.get('round', 0):.3f} s; total {st.seconds:.3f} s")

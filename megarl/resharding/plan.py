@@ -10,18 +10,20 @@ Each destination region is cut by the TP shards that hold it, and each cut is re
 replica of its shard (DP/CP/EP copies): the destination rank itself when it holds one (a local
 copy, nothing sent), else one on the same node, else the least loaded, so each rank receives
 only the bytes of its own engine shard. Buckets hold whole destination modules (the engine
-finishes a module at once), in the weight-table order (layer by layer).
+finishes a module at once), in the weight-table order (layer by layer). Each rank's own share of
+every round is indexed once with the plan, so a sync never walks other ranks' copies.
 """
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from megarl.models.hf_config import DTYPES
 from megarl.resharding.destination import DestTensor
 
 _BYTES = {str(dtype): dtype.itemsize for dtype in DTYPES.values()}  # keyed like Piece.dtype
+DIRECT_BYTES = 256 * 2**10
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,15 @@ class Copy:
     def nbytes(self) -> int:
         return self.numel * _BYTES[self.dtype]
 
+    @property
+    def direct(self) -> bool:
+        """Sent as its own message, straight from the source tensor into the target, with no
+        buffer on either side: a large slab of rows, contiguous on both ends (parameters are
+        contiguous; a slab along dim 0 of one, or of one expert of one, is too). Smaller or
+        column slabs share one packed buffer per peer and round, so per-message costs stay
+        bounded. Both ends, and the cluster planner, decide from the plan alone."""
+        return self.src != self.dst and self.dim == 0 and self.nbytes >= DIRECT_BYTES
+
 
 @dataclass(frozen=True)
 class Bucket:
@@ -92,21 +103,22 @@ class Bucket:
 
 
 def _rounds(copies: List[Copy], bucket_bytes: int) -> Tuple[Tuple[Copy, ...], ...]:
-    """Split a bucket's copies so no rank sends plus receives more than `bucket_bytes` in one
-    round (a single larger copy gets a round to itself on its ranks): a module larger than the
-    bucket is still opened whole, but moved in bucket-sized rounds. First fit: each copy goes to
-    the first round where both its ranks still have room, so a round serves many receivers at
-    once instead of the next few in rank order."""
+    """Split a bucket's copies so no rank's buffers of one round (what it packs to send plus what
+    it receives packed) exceed `bucket_bytes`; a single larger copy gets a round to itself on its
+    ranks. Local and direct copies need no buffer: they all go in the first round, so a rank's
+    large sends and receives overlap instead of falling into different rounds. First fit: each
+    packed copy goes to the first round where both its ranks still have room, so a round serves
+    many receivers at once instead of the next few in rank order."""
     rounds: List[List[Copy]] = [[]]
-    traffic: List[Dict[int, int]] = [{}]
+    buffers: List[Dict[int, int]] = [{}]
     first_open: Dict[int, int] = {}  # per rank: rounds before this one are full for it
 
     def fits(i: int, rank: int, nbytes: int) -> bool:
-        used = traffic[i].get(rank, 0)
+        used = buffers[i].get(rank, 0)
         return used == 0 or used + nbytes <= bucket_bytes
 
     for copy in copies:
-        if copy.src == copy.dst:
+        if copy.src == copy.dst or copy.direct:
             rounds[0].append(copy)
             continue
         i = max(first_open.get(copy.src, 0), first_open.get(copy.dst, 0))
@@ -114,31 +126,62 @@ def _rounds(copies: List[Copy], bucket_bytes: int) -> Tuple[Tuple[Copy, ...], ..
             i += 1
         if i == len(rounds):
             rounds.append([])
-            traffic.append({})
+            buffers.append({})
         rounds[i].append(copy)
         for rank in (copy.src, copy.dst):
-            traffic[i][rank] = traffic[i].get(rank, 0) + copy.nbytes
+            buffers[i][rank] = buffers[i].get(rank, 0) + copy.nbytes
             while (first_open.get(rank, 0) < len(rounds)
-                   and traffic[first_open.get(rank, 0)].get(rank, 0) >= bucket_bytes):
+                   and buffers[first_open.get(rank, 0)].get(rank, 0) >= bucket_bytes):
                 first_open[rank] = first_open.get(rank, 0) + 1
     return tuple(tuple(r) for r in rounds if r)
+
+
+Work = Tuple[Tuple[Tuple[Copy, ...], ...], ...]  # one rank's copies: per bucket, per round
 
 
 @dataclass(frozen=True)
 class Plan:
     buckets: Tuple[Bucket, ...]
     tensors: Dict[int, Tuple[DestTensor, ...]]  # every destination rank's tensors
+    # each rank's own copies (as source or destination), bucket by bucket: indexed once
+    work: Dict[int, Work] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "work", _index(self.buckets))
+
+    def rank_work(self, rank: int) -> Work:
+        return self.work.get(rank, ((),) * len(self.buckets))
+
+    def _own(self, rank: int):
+        return (c for rounds in self.rank_work(rank) for copies in rounds for c in copies)
 
     def received(self, rank: int) -> int:
         """Bytes `rank` receives from other ranks."""
-        return sum(c.nbytes for b in self.buckets for c in b.copies if c.dst == rank != c.src)
+        return sum(c.nbytes for c in self._own(rank) if c.dst == rank != c.src)
 
     def sent(self, rank: int) -> int:
-        return sum(c.nbytes for b in self.buckets for c in b.copies if c.src == rank != c.dst)
+        return sum(c.nbytes for c in self._own(rank) if c.src == rank != c.dst)
 
     def shard_bytes(self, rank: int) -> int:
         """Bytes of `rank`'s own destination tensors that come from the model (its shard)."""
-        return sum(c.nbytes for b in self.buckets for c in b.copies if c.dst == rank)
+        return sum(c.nbytes for c in self._own(rank) if c.dst == rank)
+
+
+def _index(buckets: Tuple[Bucket, ...]) -> Dict[int, Work]:
+    """Each rank's share of every round, in plan order: what transport.exchange runs on it."""
+    work: Dict[int, List[List[List[Copy]]]] = {}
+    for b, bucket in enumerate(buckets):
+        for r, copies in enumerate(bucket.rounds):
+            for copy in copies:
+                for rank in {copy.src, copy.dst}:
+                    mine = work.get(rank)
+                    if mine is None:
+                        mine = work[rank] = [[] for _ in buckets]
+                    if len(mine[b]) <= r:
+                        mine[b] += [[] for _ in range(r + 1 - len(mine[b]))]
+                    mine[b][r].append(copy)
+    return {rank: tuple(tuple(tuple(c) for c in rounds if c) for rounds in mine)
+            for rank, mine in work.items()}
 
 
 def _owner(replicas: List[Piece], dst: int, node_of: Tuple[int, ...], load: Dict[int, int]) -> Piece:
@@ -171,12 +214,32 @@ def _cut(region, held: Dict[int, List[Piece]], tensor: DestTensor, dst: int,
     return copies
 
 
+def _interleaved(modules: Dict[str, Dict[int, List[DestTensor]]],
+                 by_tensor: Dict[str, Dict[int, List[Piece]]]):
+    """The modules in weight-table order within each set of source ranks, those sets taken in
+    turn: with PP, layer 0 (stage 0's ranks send) then the first layer of stage 1, and so on,
+    so every stage sends in every bucket instead of one stage sending while the others idle
+    (on a cluster its ranks' links would carry twice their share, one stage at a time)."""
+    groups: Dict[frozenset, List[Tuple[str, Dict[int, List[DestTensor]]]]] = {}
+    for module, per_rank in modules.items():
+        canonicals = {r.canonical for tensors in per_rank.values() for t in tensors for r in t.regions}
+        holders = frozenset(p.rank for c in canonicals for replicas in by_tensor[c].values()
+                            for p in replicas)
+        groups.setdefault(holders, []).append((module, per_rank))
+    queues = list(groups.values())
+    for i in range(max(map(len, queues), default=0)):
+        for queue in queues:
+            if i < len(queue):
+                yield queue[i]
+
+
 @functools.lru_cache(maxsize=16)
 def build_plan(pieces: Tuple[Piece, ...], layout: Tuple[Tuple[int, Tuple[DestTensor, ...]], ...],
                bucket_bytes: int, node_of: Optional[Tuple[int, ...]] = None) -> Plan:
     """`layout`: (rank, its destination tensors) for every receiving rank; `node_of[rank]`: the
     node of each rank (default: one node). A bucket closes before the module that would make a
-    rank's materialized-plus-sent bytes exceed `bucket_bytes`; a larger module gets its own."""
+    rank's opened engine tensors exceed `bucket_bytes`; a larger module gets its own. Its
+    buffers are bounded apart, per round (_rounds)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     by_tensor: Dict[str, Dict[int, List[Piece]]] = {}
@@ -202,7 +265,7 @@ def build_plan(pieces: Tuple[Piece, ...], layout: Tuple[Tuple[int, Tuple[DestTen
             modules.setdefault(tensor.module, {}).setdefault(rank, []).append(tensor)
     load: Dict[int, int] = {}
     buckets, names, copies, cost = [], [], [], {}
-    for module, per_rank in modules.items():
+    for module, per_rank in _interleaved(modules, by_tensor):
         mine, mine_cost = [], {}
         for rank, tensors in per_rank.items():
             for tensor in tensors:
@@ -211,9 +274,6 @@ def build_plan(pieces: Tuple[Piece, ...], layout: Tuple[Tuple[int, Tuple[DestTen
                     cut = _cut(region, by_tensor[region.canonical], tensor, rank, node_of, load)
                     mine += cut
                     itemsize = itemsize or (cut[0].nbytes // cut[0].numel if cut else None)
-                    for c in cut:
-                        if c.src != c.dst:
-                            mine_cost[c.src] = mine_cost.get(c.src, 0) + c.nbytes
                 mine_cost[rank] = mine_cost.get(rank, 0) + tensor.numel * (itemsize or 0)
         if names and any(cost.get(r, 0) + b > bucket_bytes for r, b in mine_cost.items()):
             buckets.append(Bucket(tuple(names), _rounds(copies, bucket_bytes)))

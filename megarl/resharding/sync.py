@@ -91,14 +91,14 @@ def _stream(plan: Plan, engine: WeightDestination, local: Dict[Tuple[str, int], 
     mine = {t.name: t for t in plan.tensors.get(rank, ())}
     engine.begin_weight_update({name: t.shape for name, t in mine.items()})
     peak = messages = 0
-    for bucket in plan.buckets:
+    for bucket, rounds in zip(plan.buckets, plan.rank_work(rank)):
         names = [name for name, t in mine.items() if t.module in set(bucket.modules)]
         targets = engine.open_tensors(names)
         for name in names:
             if mine[name].covered < mine[name].numel:  # padding rows nothing writes
                 targets[name].zero_()
         opened = sum(t.numel() * t.element_size() for t in targets.values())
-        buffers, sent = transport.exchange(bucket, rank, local, targets, device)
+        buffers, sent = transport.exchange(rounds, rank, local, targets, device)
         del targets
         engine.close_tensors(names)
         peak, messages = max(peak, opened + buffers), messages + sent
