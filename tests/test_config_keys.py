@@ -5,7 +5,9 @@ breaks users' configs and commands, is a deliberate change that shows in review.
 import dataclasses
 import typing
 
-from megarl.trainer.config import RunConfig
+import pytest
+
+from megarl.trainer.config import LayoutConfig, RunConfig
 
 KEYS = [
     "run_dir", "steps", "seed", "offload_params", "collective_timeout_s",
@@ -14,7 +16,7 @@ KEYS = [
     "data.prompts_per_step", "data.seed",
     "layout.world_size", "layout.tp", "layout.pp", "layout.cp", "layout.ep", "layout.etp", "layout.vpp",
     "layout.rollout_tp",
-    "layout.rollout_ep",
+    "layout.rollout_ep", "layout.sync_bucket_mb",
     "generation.samples_per_prompt", "generation.temperature", "generation.top_p",
     "generation.max_new_tokens", "generation.producer", "generation.kv_cache_gib",
     "generation.gpu_memory_utilization",
@@ -64,3 +66,9 @@ def test_config_keys_are_the_frozen_list():
         f"RunConfig's keys changed: added {added}, removed or renamed {removed}. Users' YAML files and "
         "overrides name these keys: if the change is deliberate, update KEYS in tests/test_config_keys.py "
         "and the README (and configs/ where a preset sets a renamed key).")
+
+
+def test_a_sync_bucket_below_one_mib_is_refused_naming_the_key():
+    assert LayoutConfig(sync_bucket_mb=1024).sync_bucket_mb == 1024
+    with pytest.raises(ValueError, match=r"layout.sync_bucket_mb=0 must be >= 1"):
+        LayoutConfig(sync_bucket_mb=0)

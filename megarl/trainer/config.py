@@ -35,6 +35,14 @@ class LayoutConfig:
     vpp: Optional[int] = None
     rollout_tp: int = 1
     rollout_ep: int = 1   # 1, or rollout_tp: each engine splits its experts over its ranks
+    # the weight sync's bucket (opened engine modules per rank; its round buffers are bounded
+    # alike): larger buckets let PP stages send at once (docs/PERFORMANCE.md, cluster scale)
+    sync_bucket_mb: int = 256
+
+    def __post_init__(self):
+        if self.sync_bucket_mb < 1:
+            raise ValueError(f"layout.sync_bucket_mb={self.sync_bucket_mb} must be >= 1 (MiB per rank; "
+                             "256 is the default)")
 
     def dims(self) -> ParallelDims:
         """The training layout, validated (raises naming the degrees that do not fit)."""

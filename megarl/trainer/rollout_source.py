@@ -95,7 +95,7 @@ class ColocatedRollouts:
 
     def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch) -> None:
         self.engine.resume_memory(kv_cache=False)  # weights only: the training state is still here
-        sync_weights(chunks, arch, self.engine)
+        sync_weights(chunks, arch, self.engine, bucket_bytes=self.config.layout.sync_bucket_mb * 2**20)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
