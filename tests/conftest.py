@@ -28,6 +28,7 @@ TIERS = {
     "test_conversion": DISTRIBUTED,
     "test_conversion_fuzz": DISTRIBUTED,
     "test_cpu_compat": UNIT,
+    "test_device_choice": UNIT,
     "test_device_memory": UNIT,
     "test_dynamic_sampling": UNIT,
     "test_hf_config": UNIT,

@@ -19,6 +19,7 @@ from typing import Iterator, List, Sequence, Tuple
 import torch
 
 from megarl.actor.optimizer import TrainState
+from megarl.parallel_state import device_choice
 from megarl.rollout.engine import RolloutEngine
 
 
@@ -88,7 +89,7 @@ def offload(state: TrainState, params: bool) -> Offloaded:
     # same sizes are not pinned again (one H100: first offload 1.5-6 GB/s, later ~30 GB/s).
     done = Offloaded()
     for storage in to_copy:
-        host = torch.empty(storage.size(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        host = torch.empty(storage.size(), dtype=torch.uint8, pin_memory=device_choice.on_gpu())
         host.copy_(_bytes(storage))
         done.copies.append((storage, host))
     for storage, _ in done.copies:
@@ -96,7 +97,7 @@ def offload(state: TrainState, params: bool) -> Offloaded:
     for storage in grads:
         done.grads.append((storage, storage.size()))
         storage.resize_(0)
-    if torch.cuda.is_available():
+    if device_choice.on_gpu():
         torch.cuda.empty_cache()  # the engine allocates outside torch's cache: hand the memory back
     return done
 

@@ -11,6 +11,8 @@ from typing import Dict, List
 
 import torch
 
+from megarl.parallel_state import device_choice
+
 
 def _named_parameters(chunks: List[torch.nn.Module]) -> Dict[str, torch.nn.Parameter]:
     return {f"{i}.{name}": p for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
@@ -18,7 +20,7 @@ def _named_parameters(chunks: List[torch.nn.Module]) -> Dict[str, torch.nn.Param
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                       pin_memory=torch.cuda.is_available())
+                       pin_memory=device_choice.on_gpu())
     return copy.copy_(tensor.detach())
 
 

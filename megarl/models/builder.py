@@ -14,7 +14,7 @@ from megarl.models.hf_config import ModelArch
 from megarl.models.layer_spec import decoder_spec, transformer_engine_available
 from megarl.models.megatron_config import padded_vocab_size, transformer_config
 from megarl.models.value_head import ValueHead
-from megarl.parallel_state import megatron_groups
+from megarl.parallel_state import device_choice, megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 
 ROLES = ("policy", "value")
@@ -24,7 +24,7 @@ def build_model(arch: ModelArch, dims: ParallelDims, role: str = "policy",
                 **config_overrides) -> List[GPTModel]:
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {ROLES}")
-    use_te = transformer_engine_available() and torch.cuda.is_available()
+    use_te = transformer_engine_available() and device_choice.on_gpu()
     config = transformer_config(arch, dims, use_te=use_te, **config_overrides)
     chunks = []
     for vp_stage in range(dims.virtual_stages):
@@ -45,7 +45,7 @@ def build_model(arch: ModelArch, dims: ParallelDims, role: str = "policy",
         )
         if role == "value" and model.post_process:
             model.output_layer = ValueHead(config)
-        if torch.cuda.is_available():
+        if device_choice.on_gpu():
             model.cuda()
         if not config.perform_initialization:
             mark_tensor_parallel_params(model)

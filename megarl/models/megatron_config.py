@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.models.hf_config import ModelArch
+from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 
 # Megatron pads the vocabulary so that every TP shard has the same width; 128 keeps the padded
@@ -32,7 +33,7 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
                      ffn_hidden=0 if arch.num_experts else arch.ffn_hidden_size,
                      moe_ffn_hidden=arch.moe_ffn_hidden_size)
     dtype = dtype or arch.torch_dtype
-    on_gpu = torch.cuda.is_available()
+    on_gpu = device_choice.on_gpu()
     moe = {}
     if arch.num_experts:
         moe = dict(

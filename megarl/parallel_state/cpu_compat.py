@@ -17,6 +17,7 @@ import types
 
 import torch
 
+from megarl.parallel_state import device_choice
 from megarl.parallel_state.uneven_collectives import all_gather_uneven, reduce_scatter_uneven
 
 _CPU = torch.device("cpu")
@@ -191,7 +192,7 @@ _INSTALLED = False
 
 
 def needed() -> bool:
-    return not torch.cuda.is_available()
+    return not device_choice.on_gpu()
 
 
 def install() -> None:

@@ -13,6 +13,8 @@ from typing import Iterator
 
 import torch
 
+from megarl.parallel_state import device_choice
+
 
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -23,15 +25,15 @@ def _status_bytes(field: str) -> int:
 def in_use_bytes() -> int:
     """GPU: PyTorch's allocated bytes (NCCL and other non-PyTorch buffers are not counted). CPU:
     the resident set."""
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else _status_bytes("VmRSS")
+    return torch.cuda.memory_allocated() if device_choice.on_gpu() else _status_bytes("VmRSS")
 
 
 def _counter() -> int:
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _status_bytes("VmHWM")
+    return torch.cuda.max_memory_allocated() if device_choice.on_gpu() else _status_bytes("VmHWM")
 
 
 def _reset_counter() -> None:
-    if torch.cuda.is_available():
+    if device_choice.on_gpu():
         torch.cuda.reset_peak_memory_stats()
     else:
         with open("/proc/self/clear_refs", "w") as f:

@@ -14,18 +14,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.parallel_state import cpu_compat
+from megarl.parallel_state import cpu_compat, device_choice
 from megarl.parallel_state.dims import ParallelDims
 
 
 def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if device_choice.on_gpu() else "gloo"
 
 
 def device() -> torch.device:
     """Where this rank computes and where its collectives' tensors live: its GPU (NCCL) or the
     CPU (gloo)."""
-    if torch.cuda.is_available():
+    if device_choice.on_gpu():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -33,7 +33,7 @@ def device() -> torch.device:
 def init_distributed(timeout_s: float = 600.0) -> int:
     """Start the default process group from torchrun/Ray environment variables; return world size."""
     if not dist.is_initialized():
-        if torch.cuda.is_available():
+        if device_choice.on_gpu():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "RANK" not in os.environ:
             # A single process started without a launcher is a world of one.
@@ -63,7 +63,7 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
     mpu.initialize_model_parallel(
         **dims.megatron_sizes(),
         distributed_timeout_minutes=timeout_s / 60,  # Megatron makes a timedelta of it: no rounding
-        create_gloo_process_groups=torch.cuda.is_available(),
+        create_gloo_process_groups=device_choice.on_gpu(),
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

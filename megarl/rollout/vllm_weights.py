@@ -15,10 +15,9 @@ from typing import Dict, Sequence, Set, Tuple
 
 import torch
 
+from megarl.parallel_state import device_choice
 from megarl.rollout import vllm_cpu_fixes
 from megarl.rollout.engine import WeightUpdateReport
-
-_ON_CPU = not torch.cuda.is_available()
 
 
 class InPlaceWriter:
@@ -86,7 +85,7 @@ class InPlaceWriter:
             quant_method.process_weights_after_loading(layer)
             if hasattr(layer, "update_param_tp_status"):
                 layer.update_param_tp_status()
-        if _ON_CPU:
+        if not device_choice.on_gpu():
             vllm_cpu_fixes.prepack_reloaded_moe(layer, info.kernel_tensors[0])
         layerwise._copy_and_restore_kernel_tensors(layer, info)
         info.reset()
@@ -95,7 +94,7 @@ class InPlaceWriter:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        if _ON_CPU:
+        if not device_choice.on_gpu():
             vllm_cpu_fixes.refresh_tied_lm_head(self.model)
         expected = set(self.names)
         return WeightUpdateReport(params_expected=len(expected),

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models import checkpoint as model_checkpoint
+from megarl.parallel_state import device_choice
 from megarl.trainer.config import RunConfig
 
 CHECKPOINTS = "checkpoints"
@@ -64,7 +65,7 @@ def _rng_states() -> dict:
 
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "cuda": torch.cuda.get_rng_state_all() if device_choice.on_gpu() else None,
             "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 

@@ -33,6 +33,7 @@ from typing import Dict, Iterable, Optional
 import torch
 
 from megarl.models.hf_config import ModelArch
+from megarl.parallel_state import device_choice
 
 # Dense (no sparsity) bf16 tensor-core peak per device, from NVIDIA's datasheets, keyed by a
 # substring of torch.cuda.get_device_name(); the longest matching key wins ("H100 PCIe" over "H100").
@@ -122,7 +123,7 @@ def mfu(flops_per_s_per_device: float, device_name: str) -> Optional[float]:
 
 
 def device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return torch.cuda.get_device_name() if device_choice.on_gpu() else "cpu"
 
 
 def throughput_metrics(flops: Dict[str, int], seconds: Dict[str, float], world_size: int,

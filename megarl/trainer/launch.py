@@ -14,6 +14,7 @@ Does not own the loop (loop.py).
 import os
 from typing import Optional, Tuple
 
+from megarl.parallel_state import device_choice
 from megarl.trainer import console
 from megarl.trainer.config import RunConfig
 
@@ -96,6 +97,8 @@ def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optiona
     ray.get(group.ready())
     # All devices visible to each worker, which picks its own by LOCAL_RANK (as under torchrun).
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if gpus else {}
+    if device_choice.VARIABLE in os.environ:  # Ray workers start from the raylet's environment
+        env[device_choice.VARIABLE] = os.environ[device_choice.VARIABLE]
     worker_cls = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0)(_Worker)
     workers = [worker_cls.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),

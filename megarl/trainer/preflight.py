@@ -16,6 +16,7 @@ from megarl.actor.packing import plan_micro_batches
 from megarl.actor.passes import mini_batch_rows
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.models.megatron_config import transformer_config
+from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.destination import RolloutLayout, check_rollout
 from megarl.rollout.prompts import load_prompts
@@ -59,6 +60,7 @@ def _check_data(config: RunConfig) -> None:
 def preflight(config: RunConfig) -> ParallelDims:
     """Raise ValueError/FileNotFoundError naming the values if `config` cannot run; returns the
     validated layout."""
+    device_choice.on_gpu()  # MEGARL_DEVICE against this machine: what is missing, named, first
     arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
     dims = config.layout.dims()
     transformer_config(arch, dims)  # the builder's check_model, then Megatron's own checks
