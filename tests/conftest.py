@@ -48,6 +48,7 @@ TIERS = {
     "test_slurm": E2E,
     "test_source_layout": UNIT,
     "test_source_layout_live": DISTRIBUTED,
+    "test_spec_keys": DISTRIBUTED,  # Megatron models at TP2 over gloo
     "test_trainer_checkpoint": UNIT,
     "test_trainer_flops": UNIT,
     "test_typed_config": UNIT,

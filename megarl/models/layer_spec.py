@@ -1,7 +1,10 @@
-"""Transformer layer spec: Transformer Engine's when it is importable, else megarl's portable one.
+"""Transformer layer spec: Transformer Engine's on the GPU path, else megarl's portable one.
 
-Both specs produce the same checkpoint keys (Megatron maps TE's fused layer-norm names back to
-the local names in sharded_state_dict), so a checkpoint moves freely between a CPU and a GPU run.
+Both write the same checkpoint keys. TE fuses the attention's input norm into `linear_qkv`
+(`self_attention.linear_qkv.layer_norm_weight`) and, in a dense layer, the MLP's norm into
+`linear_fc1`; a MoE layer keeps its own `pre_mlp_layernorm`. The portable spec maps its separate
+norms to those names in sharded_state_dict, as Megatron's own local spec does for dense layers
+(tests/test_spec_keys.py), so a checkpoint written from either spec loads into the other.
 """
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -43,6 +46,14 @@ class PortableSpecProvider(LocalSpecProvider):
         return PortableCoreAttention
 
 
+def te_norm_keys(num_experts: int) -> dict:
+    """Checkpoint names of the separate norms as Transformer Engine's layer spec stores them."""
+    keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if not num_experts:  # TE's MoE layer has a pre_mlp_layernorm of its own
+        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return keys
+
+
 def portable_layer_spec(num_experts: int, qk_layernorm: bool) -> ModuleSpec:
     backend = PortableSpecProvider()
     norm = backend.layer_norm(rms_norm=True)
@@ -65,6 +76,7 @@ def portable_layer_spec(num_experts: int, qk_layernorm: bool) -> ModuleSpec:
             pre_mlp_layernorm=norm,
             mlp=get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts or None),
             mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=te_norm_keys(num_experts),
         ),
     )
 
