@@ -2,7 +2,8 @@
 world running megarl.trainer.loop.train.
 
 The driver reserves `world_size` slots in a placement group (a CPU each here, a GPU and a CPU
-each on a GPU cluster), packed so that a node's slots are consecutive ranks, starts one worker
+each on a GPU cluster), packed, numbers the ranks node by node (placement.py: a TP group or a
+rollout engine that would span two nodes is refused), starts one worker
 per slot with the torch.distributed environment (rank, world, local rank, master address and
 port), and waits for all of them. `ray.init()` starts a local cluster when there is none;
 `ray_address` joins an existing one (e.g. the one a Slurm job started).
@@ -15,7 +16,8 @@ import os
 from typing import Optional, Tuple
 
 from megarl.parallel_state import device_choice
-from megarl.trainer import console
+from megarl.resharding.destination import RolloutLayout
+from megarl.trainer import console, placement
 from megarl.trainer.config import RunConfig
 
 
@@ -105,6 +107,11 @@ def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optiona
         runtime_env={"env_vars": env}).remote() for i in range(world)]
     try:
         nodes = ray.get([w.node.remote() for w in workers])
+        order = placement.ranks_by_node(nodes)
+        workers, nodes = [workers[i] for i in order], [nodes[i] for i in order]
+        placement.check_groups_within_nodes(nodes, {
+            "tensor-parallel group": config.layout.tp,
+            "rollout engine": RolloutLayout(config.layout.rollout_tp, config.layout.rollout_ep).size})
         master, port = ray.get(workers[0].address.remote())
         local_ranks = [nodes[:rank].count(node) for rank, node in enumerate(nodes)]
         ray.get([w.setup.remote(rank, world, local_ranks[rank], nodes.count(nodes[rank]), master, port)
