@@ -11,6 +11,7 @@ import pytest
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.models.hf_config import load_arch
+from megarl.models.megatron_config import transformer_config
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rollout.vllm_engine import rollout_groups
 from megarl.trainer.config import RunConfig
@@ -86,3 +87,13 @@ def test_broken_override_is_refused_with_its_value(name, overrides, message, tmp
     config, arch = load_preset(name, tmp_path, *overrides)
     with pytest.raises(ValueError, match=message):
         check_preset(config)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_moe_routers_run_in_fp32_unless_turned_off(name, tmp_path):
+    config, arch = load_preset(name, tmp_path)
+    dims = config.layout.dims()
+    assert transformer_config(arch, dims, **config.model.transformer_overrides()).moe_router_dtype == "fp32"
+    (tmp_path / "off").mkdir()
+    config, arch = load_preset(name, tmp_path / "off", "model.router_fp32=false")
+    assert transformer_config(arch, dims, **config.model.transformer_overrides()).moe_router_dtype is None

@@ -46,6 +46,9 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
             moe_aux_loss_coeff=arch.router_aux_loss_coef if aux_loss_coeff is None
             else aux_loss_coeff,
             moe_grouped_gemm=use_te,
+            # Router logits and top-k in fp32 (model.router_fp32 can turn it off), as the MoE RL
+            # anchors run it: bf16 logits tie and flip experts between rollout and update.
+            moe_router_dtype="fp32",
         )
     fields = dict(
         num_layers=arch.num_layers,

@@ -18,10 +18,15 @@ from megarl.rollout.prompts import OVERLONG
 class ModelConfig:
     hf_dir: str = ""  # HF checkpoint: architecture, tokenizer, initial weights of actor and critic
     megatron_dir: Optional[str] = None  # optional dist checkpoint of the actor (faster to load)
+    router_fp32: bool = True  # a MoE router's logits and top-k in fp32 (False: the model's dtype)
 
     def __post_init__(self):
         if not self.hf_dir:
             raise ValueError("model.hf_dir is required (an HF checkpoint folder)")
+
+    def transformer_overrides(self) -> dict:
+        """TransformerConfig fields this section changes from megarl's defaults."""
+        return {} if self.router_fp32 else {"moe_router_dtype": None}
 
 
 @dataclass(frozen=True)

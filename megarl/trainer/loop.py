@@ -98,14 +98,15 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
         with open(os.path.join(config.run_dir, "config.json"), "w") as f:
             json.dump(asdict(config), f, indent=2)
 
-    actor_chunks = build_model(arch, dims, perform_initialization=False)
+    actor_chunks = build_model(arch, dims, perform_initialization=False,
+                               **config.model.transformer_overrides())
     _load(actor_chunks, arch, config, "policy")
     actor = Actor(actor_chunks, arch, config.actor_config)
     if config.actor.kl_loss_coeff or config.algo.kl_reward_coeff:
         actor.snapshot_reference()  # the initial weights, also when resuming
     critic = None
     if config.algo.uses_critic:
-        critic_chunks = build_model(arch, dims, role="value")
+        critic_chunks = build_model(arch, dims, role="value", **config.model.transformer_overrides())
         _load(critic_chunks, arch, config, "value")
         critic = Critic(critic_chunks, config.critic_config)
 
