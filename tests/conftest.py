@@ -38,6 +38,7 @@ TIERS = {
     "test_offload": E2E,  # its launches hand memory over to a real vLLM engine
     "test_packing": UNIT,
     "test_parallel_dims": UNIT,
+    "test_param_layout_te": UNIT,
     "test_placement": UNIT,
     "test_plan_sync": E2E,  # real syncs through scripts/verify_sync.py: vLLM
     "test_plan_sync_unit": UNIT,

@@ -54,13 +54,26 @@ def _canonical(chunk_model, name: str, num_local_experts: int, ep_rank: int) -> 
     return name
 
 
+# Megatron's Transformer Engine wrappers, by class name (TE is not importable on the CPU path).
+# Their `parallel_mode` cannot be trusted: an expert linear with EP or expert-TP > 1 does its own
+# communication and sets TE's parallel_mode to None, while its weights stay sharded over the
+# expert-TP group.
+_TE_COLUMN = {"TEColumnParallelLinear", "TELayerNormColumnParallelLinear", "TEColumnParallelGroupedLinear"}
+_TE_ROW = {"TERowParallelLinear", "TERowParallelGroupedLinear"}
+
+
 def _parallel_mode(module: torch.nn.Module) -> Optional[str]:
-    """'column' or 'row' for TP-sharded modules (Megatron's or Transformer Engine's, which carry
-    `parallel_mode`), None for replicated ones. Read from the module type, not from parameter
-    attributes, which Megatron sets only when it also initializes the weights."""
+    """'column' or 'row' for TP-sharded modules (Megatron's, or its TE wrappers), None for
+    replicated ones. Read from the module type, not from parameter attributes, which Megatron sets
+    only when it also initializes the weights."""
     if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
         return "column"
     if isinstance(module, RowParallelLinear):
+        return "row"
+    classes = {cls.__name__ for cls in type(module).__mro__}
+    if classes & _TE_COLUMN:
+        return "column"
+    if classes & _TE_ROW:
         return "row"
     return getattr(module, "parallel_mode", None)
 
@@ -92,11 +105,13 @@ def param_slots(chunks: List[torch.nn.Module]) -> List[Tuple[ParamSlot, torch.nn
                 tp_rank, tp_size = (megatron_groups.tensor().rank,
                                     megatron_groups.tensor().size)
             tp_dim = _tp_dim(*owners[name]) if tp_size > 1 else None
+            canonical = _canonical(chunk, name, num_local, ep_rank)
             slots.append((ParamSlot(
-                canonical=_canonical(chunk, name, num_local, ep_rank),
+                canonical=canonical,
                 tp_dim=tp_dim,
                 tp_rank=tp_rank, tp_size=tp_size,
-                glu=config.gated_linear_unit and name.endswith("linear_fc1.weight"),
+                # by the canonical name: TE's grouped experts call theirs linear_fc1.weight{i}
+                glu=config.gated_linear_unit and canonical.endswith("linear_fc1.weight"),
             ), param))
     return slots
 
