@@ -41,6 +41,8 @@ LAYOUTS = {
     "pp2vpp2": (2, {"pp": 2, "vpp": 2}, {"dense": {"micro_batches": 2}}),
     "tp2ep2": (4, {"tp": 2, "ep": 2, "etp": 1}, {"moe_replay": {"micro_batch_tokens": 96}}),
 }
+# layout -> the critic's batching there (the dense model, 5 updates)
+CRITIC = {"single": {}, "tp2": {"micro_batch_tokens": 96}}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,19 +50,31 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def updates(megatron_models, tmp_path_factory):
-    """{layout: {case: saved result}} for every layout, one launch per layout."""
+def saved(megatron_models, tmp_path_factory):
+    """The folder of every layout's results (LAYOUT/CASE.pt, the critic's LAYOUT/critic.pt): one
+    launch per world size, which rebuilds the groups for each of its layouts (starting a launch
+    takes 5-15 s here, a layout's updates 1-2 s)."""
     import json
 
-    out = {}
+    root = tmp_path_factory.mktemp("updates")
+    worlds = {}
     for layout, (nproc, dims, cases) in LAYOUTS.items():
-        folder = tmp_path_factory.mktemp(layout)
-        spec = [[case, megatron_models[CASES[case][0]], batching, CASES[case][2]]
+        spec = [[case, "actor", megatron_models[CASES[case][0]], batching, CASES[case][2]]
                 for case, batching in cases.items()]
-        run("tests/workers/actor_update.py", "--layout", json.dumps(dims), "--cases", json.dumps(spec),
-            "--out-dir", str(folder), nproc=nproc, timeout=900)
-        out[layout] = {case: torch.load(folder / f"{case}.pt") for case in cases}
-    return out
+        if layout in CRITIC:
+            spec.append(["critic", "critic", megatron_models[DENSE], CRITIC[layout], {}])
+        worlds.setdefault(nproc, []).append([layout, dims, spec])
+    for nproc, layouts in worlds.items():
+        run("tests/workers/actor_update.py", "--layouts", json.dumps(layouts), "--out-dir", str(root),
+            nproc=nproc, timeout=900)
+    return root
+
+
+@pytest.fixture(scope="module")
+def updates(saved):
+    """{layout: {case: saved result}} for every layout."""
+    return {layout: {case: torch.load(saved / layout / f"{case}.pt") for case in cases}
+            for layout, (_, _, cases) in LAYOUTS.items()}
 
 
 @pytest.mark.parametrize("layout,case", [(layout, case) for layout, (_, _, cases) in LAYOUTS.items()
@@ -123,18 +137,8 @@ def test_router_replay(updates, layout):
 
 
 @pytest.fixture(scope="module")
-def critic_runs(megatron_models, tmp_path_factory):
-    import json
-
-    out = {}
-    for layout, nproc, dims, batching in [("single", 1, {}, {}),
-                                          ("tp2", 2, {"tp": 2}, {"micro_batch_tokens": 96})]:
-        folder = tmp_path_factory.mktemp(f"critic_{layout}")
-        run("tests/workers/actor_update.py", "--layout", json.dumps(dims), "--critic-steps", "5",
-            "--cases", json.dumps([["critic", megatron_models[DENSE], batching, {}]]),
-            "--out-dir", str(folder), nproc=nproc, timeout=900)
-        out[layout] = torch.load(folder / "critic.pt")
-    return out
+def critic_runs(saved):
+    return {layout: torch.load(saved / layout / "critic.pt") for layout in CRITIC}
 
 
 def test_critic_reduces_value_loss(critic_runs):

@@ -1,6 +1,7 @@
 """HF -> Megatron -> HF with the user-facing scripts: bit-exact for every family and variant,
 on one rank and on two; the exported checkpoint loads in transformers; bad input is refused."""
 
+import functools
 import json
 import os
 
@@ -11,12 +12,26 @@ from tests.conftest import MODELS
 from tests.launch import last_json, run
 
 
+@pytest.fixture(scope="module")
+def exported(megatron_models, tmp_path_factory):
+    """exported(model): the HF export of the model's Megatron conversion, made once (the round trip
+    and the transformers check read the same export)."""
+    root = tmp_path_factory.mktemp("exported")
+
+    @functools.lru_cache(maxsize=None)
+    def export(model):
+        out = str(root / model)
+        nproc = 1 if model in ("qwen3_moe", "llama") else 2  # the opposite of the import side, mostly
+        run("scripts/convert_megatron_to_hf.py", "--megatron-dir", megatron_models[model],
+            "--out", out, nproc=nproc)
+        return out
+
+    return export
+
+
 @pytest.mark.parametrize("model", MODELS)
-def test_round_trip_is_bit_exact(model, hf_models, megatron_models, tmp_path):
-    out = str(tmp_path / "hf")
-    nproc = 1 if model in ("qwen3_moe", "llama") else 2  # the opposite of the import side, mostly
-    run("scripts/convert_megatron_to_hf.py", "--megatron-dir", megatron_models[model],
-        "--out", out, nproc=nproc)
+def test_round_trip_is_bit_exact(model, hf_models, exported):
+    out = exported(model)
     result = last_json(run("scripts/compare_hf_checkpoints.py", hf_models[model], out))
     assert result["bit_exact"], result
     with open(os.path.join(hf_models[model], "config.json")) as a, \
@@ -24,12 +39,10 @@ def test_round_trip_is_bit_exact(model, hf_models, megatron_models, tmp_path):
         assert json.load(a) == json.load(b)
 
 
-def test_exported_checkpoint_loads_in_transformers(hf_models, megatron_models, tmp_path):
+def test_exported_checkpoint_loads_in_transformers(hf_models, exported):
     import transformers
 
-    out = str(tmp_path / "hf")
-    run("scripts/convert_megatron_to_hf.py", "--megatron-dir", megatron_models["mixtral"],
-        "--out", out, nproc=2)
+    out = exported("mixtral")  # exported with 2 ranks
     tokens = torch.arange(20).reshape(2, 10)
     logits = [transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(tokens).logits
               for d in (hf_models["mixtral"], out)]

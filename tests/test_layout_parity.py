@@ -1,6 +1,6 @@
 """Every family at every layout against HF transformers and against the single-rank layout:
 log-probs (<= 1e-4 abs), loss and full-parameter gradients (<= 1e-5 relative, max-abs-diff
-over max-abs). Each layout is one torchrun launch that checks all of its models."""
+over max-abs). Each world size is one torchrun launch that checks all of its layouts' models."""
 
 import functools
 import json
@@ -30,17 +30,22 @@ CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model
 
 @pytest.fixture(scope="module")
 def results(hf_models, megatron_models, tmp_path_factory):
+    """results(layout)[model], from one launch per world size (made when a test first needs one of
+    its layouts): starting a launch takes longer here than checking a layout's models."""
     root = tmp_path_factory.mktemp("parity")
 
     @functools.lru_cache(maxsize=None)
+    def for_world(world):
+        layouts = [[layout, fields, [[m, hf_models[m], megatron_models[m]] for m in models]]
+                   for layout, (size, fields, models) in LAYOUTS.items() if size == world]
+        run("tests/workers/layout_parity.py", "--layouts", json.dumps(layouts), "--out-dir", str(root),
+            nproc=world, timeout=900)
+
+    @functools.lru_cache(maxsize=None)
     def for_layout(layout):
-        world, fields, models = LAYOUTS[layout]
-        out_dir = root / layout
-        out_dir.mkdir()
-        cases = [[m, hf_models[m], megatron_models[m]] for m in models]
-        run("tests/workers/layout_parity.py", "--layout", json.dumps(fields),
-            "--cases", json.dumps(cases), "--out-dir", str(out_dir), nproc=world, timeout=900)
-        return {m: torch.load(os.path.join(out_dir, f"{m}.pt")) for m in models}
+        world, _, models = LAYOUTS[layout]
+        for_world(world)
+        return {m: torch.load(os.path.join(root, layout, f"{m}.pt")) for m in models}
 
     return for_layout
 

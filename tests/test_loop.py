@@ -16,6 +16,9 @@ import pytest
 from tests.launch import ROOT, kill_tree, ray_pids, run
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+# For runs whose tests read only metrics and logs: the final checkpoint and HF export cost ~6 s of a
+# 2-step run here, and the kill-and-resume tests below check saving, resuming and exporting.
+NO_CHECKPOINT = ("checkpoint.every=0", "checkpoint.export_hf=false")
 
 
 def _steps(run_dir):
@@ -50,12 +53,36 @@ def _check_steps(steps, critic: bool):
     assert steps[0]["actor/entropy"] != steps[1]["actor/entropy"]
 
 
-def test_ppo_with_critic_on_ray(demo_inputs, tmp_path):
+@pytest.fixture(scope="module")
+def after_a_killed_driver(demo_inputs, tmp_path_factory):
+    """The 2-step PPO run test_ppo_with_critic_on_ray checks, started at once after kill -9 of
+    another Ray run's driver (once its first step was logged), while that dead run's Ray processes
+    may still be exiting: it is also the killed-driver test's next run (a run of its own cost ~30 s
+    more). Returns the dead run's Ray processes, the PPO run's directory and process, and when it
+    ended."""
+    root = tmp_path_factory.mktemp("ray")
+    before = ray_pids()
+    first = root / "killed"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts/train_ppo_moe.py"), *_args(demo_inputs, first)]
+    cmd[cmd.index("steps=2")] = "steps=40"
+    driver = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not (first / "metrics.jsonl").exists():
+        assert driver.poll() is None and time.time() < deadline, "the run ended before its first step"
+        time.sleep(0.2)
+    dead_run = ray_pids() - before
+    driver.kill()
+    driver.wait()
+    run_dir = root / "run"
+    proc = run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, *NO_CHECKPOINT), timeout=900)
+    return dead_run, run_dir, proc, time.time()
+
+
+def test_ppo_with_critic_on_ray(after_a_killed_driver):
     """PPO with a critic on 2 Ray workers; its terminal holds megarl's lines, six samples and one
     progress bar, the first line naming the log, and every process's own output (vLLM, Megatron,
-    torch, Ray) is in run_dir/logs/."""
-    run_dir = tmp_path / "run"
-    proc = run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir), timeout=900)
+    torch, Ray) is in run_dir/logs/. (It starts right after a killed driver: after_a_killed_driver.)"""
+    _, run_dir, proc, _ = after_a_killed_driver
     _check_steps(_steps(run_dir), critic=True)
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["algo"]["advantage"] == "gae" and saved["layout"]["ep"] == 2
@@ -79,7 +106,7 @@ def test_ppo_with_critic_on_ray(demo_inputs, tmp_path):
 def test_every_estimator_runs_two_steps(demo_inputs, tmp_path, estimator):
     run_dir = tmp_path / "run"
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, f"algo.advantage={estimator}",
-                                           "layout.world_size=1", "layout.ep=1"),
+                                           "layout.world_size=1", "layout.ep=1", *NO_CHECKPOINT),
         nproc=1, timeout=900, env=_one_rank())
     _check_steps(_steps(run_dir), critic=False)
 
@@ -90,7 +117,7 @@ def test_a_sample_producer_plugs_into_the_loop(demo_inputs, tmp_path):
     run_dir = tmp_path / "run"
     producer = "generation.producer=tests.producers:first_token"
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, producer, "algo.advantage=grpo",
-                                           "layout.world_size=1", "layout.ep=1"),
+                                           "layout.world_size=1", "layout.ep=1", *NO_CHECKPOINT),
         nproc=1, timeout=900, env={**_one_rank(), "PYTHONPATH": ROOT})
     steps = _steps(run_dir)
     _check_steps(steps, critic=False)
@@ -102,7 +129,7 @@ def test_dynamic_sampling_trains_on_informative_groups(demo_inputs, tmp_path):
     run_dir = tmp_path / "run"
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "algo.advantage=grpo",
                                            "algo.dynamic_sampling_rounds=3", "layout.world_size=1",
-                                           "layout.ep=1", "data.prompts_per_step=8"),
+                                           "layout.ep=1", "data.prompts_per_step=8", *NO_CHECKPOINT),
         nproc=1, timeout=900, env=_one_rank())
     steps = _steps(run_dir)
     _check_steps(steps, critic=False)
@@ -256,27 +283,15 @@ def test_kill_during_checkpoint_save_keeps_the_previous_one(demo_inputs, tmp_pat
     assert sorted(os.listdir(checkpoints)) == [f"step_{killed - 1:06d}", f"step_{killed:06d}"]
 
 
-def test_killed_driver_does_not_break_the_next_run(demo_inputs, tmp_path):
+def test_killed_driver_does_not_break_the_next_run(after_a_killed_driver):
     """kill -9 of the Ray driver alone (an OOM kill, a lost login shell): the next run, started at
     once while the dead run's Ray processes may still be exiting, works; and those processes
     (GCS, raylet, agents, workers) do end."""
-    before = ray_pids()
-    first = tmp_path / "first"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts/train_ppo_moe.py"), *_args(demo_inputs, first)]
-    cmd[cmd.index("steps=2")] = "steps=40"
-    driver = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while not (first / "metrics.jsonl").exists():
-        assert driver.poll() is None and time.time() < deadline, "the run ended before its first step"
-        time.sleep(0.2)
-    dead_run = ray_pids() - before
+    dead_run, run_dir, _, next_run_ended = after_a_killed_driver
     assert len(dead_run) >= 3  # GCS, raylet and the workers
-    driver.kill()
-    driver.wait()
-    run("scripts/train_ppo_moe.py", *_args(demo_inputs, tmp_path / "second", "steps=1"), timeout=900)
-    assert [s["step"] for s in _steps(tmp_path / "second")] == [1]
+    assert [s["step"] for s in _steps(run_dir)] == [1, 2]
     # Ray's per-node agents notice their raylet's death slowly (about a minute and a half here).
-    deadline = time.time() + 180
+    deadline = next_run_ended + 180
     while dead_run & ray_pids():
         assert time.time() < deadline, f"Ray processes outlived their driver: {dead_run & ray_pids()}"
         time.sleep(1)
@@ -289,7 +304,7 @@ def test_demo_reward_rises(demo_inputs, tmp_path):
     seeds 0-5 the rise measured 0.16-0.29 (mean 0.22, sd 0.05); seed 0 (this run) repeats exactly."""
     run_dir = tmp_path / "run"
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "steps=30", "layout.world_size=1",
-                                           "layout.ep=1", "checkpoint.every=0", "checkpoint.export_hf=false"),
+                                           "layout.ep=1", *NO_CHECKPOINT),
         nproc=1, timeout=900, env=_one_rank())
     rewards = [s["reward/mean"] for s in _steps(run_dir)]
     assert len(rewards) == 30

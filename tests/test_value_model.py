@@ -1,14 +1,17 @@
 """The critic's value model: the policy trunk with a scalar head. Values at TP2, PP2 and CP2
 equal an independent reference: HF transformers' final hidden states times the head."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from tests.launch import run
 
-LAYOUTS = {"single": (1, []), "tp2": (2, ["--tp", "2"]), "pp2": (2, ["--pp", "2"]),
-           "cp2": (2, ["--cp", "2"]), "ep2_moe": (2, ["--ep", "2"])}
+# layout -> (world size, ParallelDims fields, model)
+LAYOUTS = {"single": (1, {}, "qwen3"), "tp2": (2, {"tp": 2}, "qwen3"), "pp2": (2, {"pp": 2}, "qwen3"),
+           "cp2": (2, {"cp": 2}, "qwen3"), "ep2_moe": (2, {"ep": 2}, "qwen3_moe")}
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +31,20 @@ def value_checkpoints(hf_models, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def saved(value_checkpoints, tmp_path_factory):
+    """{layout: what the worker saved}: one launch per world size, which rebuilds the groups for
+    each of its layouts (starting a launch takes longer here than computing a layout's values)."""
+    root = tmp_path_factory.mktemp("values")
+    worlds = {}
+    for layout, (world, fields, model) in LAYOUTS.items():
+        worlds.setdefault(world, []).append([layout, fields, value_checkpoints[model]])
+    for world, layouts in worlds.items():
+        run("tests/workers/value_parity.py", "--layouts", json.dumps(layouts), "--out-dir", str(root),
+            nproc=world)
+    return {layout: torch.load(root / f"{layout}.pt") for layout in LAYOUTS}
+
+
 def _reference_values(hf_dir, tokens):
     import transformers
 
@@ -39,17 +56,12 @@ def _reference_values(hf_dir, tokens):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_values_match_reference(layout, value_checkpoints, tmp_path):
+def test_values_match_reference(layout, value_checkpoints, saved):
     from megarl.checks.parity import fixed_tokens
 
-    name = "qwen3_moe" if layout == "ep2_moe" else "qwen3"
-    nproc, flags = LAYOUTS[layout]
-    out = tmp_path / "values.pt"
-    run("tests/workers/value_parity.py", "--hf-dir", value_checkpoints[name], "--out", str(out),
-        *flags, nproc=nproc)
-    got = torch.load(out)
+    got = saved[layout]
     tokens = fixed_tokens(250, 4, 32)
-    expected = _reference_values(value_checkpoints[name], tokens)
+    expected = _reference_values(value_checkpoints[LAYOUTS[layout][2]], tokens)
     assert got["values"].shape == expected.shape
     # The critic's column i is the value of the state before token i: the head at position i - 1.
     assert (got["values"][:, 1:] - expected[:, :-1]).abs().max() <= 1e-4

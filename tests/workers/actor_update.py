@@ -1,6 +1,8 @@
-"""torchrun worker: at one layout, for each case, load a model, compute old log-probs (packed),
-the same log-probs from a padded forward, run one actor update (and optionally a critic update),
-and have rank 0 save log-probs, metrics and the full updated weights to OUT_DIR/NAME.pt."""
+"""torchrun worker: at each of several layouts of one world size, for each actor case, load a
+model, compute old log-probs (packed), the same log-probs from a padded forward and run one actor
+update; for each critic case, run critic updates. Rank 0 saves log-probs, metrics and the full
+updated weights (a critic: its losses and values) to OUT_DIR/LAYOUT/NAME.pt. One launch serves
+many layouts: starting one costs more than all of a layout's updates."""
 
 import argparse
 import json
@@ -103,9 +105,9 @@ def critic_case(args, dims, megatron_dir, batching):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", required=True, help="JSON of ParallelDims fields")
-    parser.add_argument("--cases", required=True,
-                        help="JSON list of [name, megatron_dir, batching dict, actor overrides]")
+    parser.add_argument("--layouts", required=True,
+                        help="JSON list of [layout name, ParallelDims fields, cases]; a case is "
+                             "[name, 'actor' or 'critic', megatron_dir, batching dict, actor overrides]")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--clip-grad", type=float, default=1.0)
@@ -113,19 +115,24 @@ def main():
     # would move the update by a tenth of lr; eps 1e-6 keeps layout comparisons meaningful.
     parser.add_argument("--adam-eps", type=float, default=1e-6)
     parser.add_argument("--max-len", type=int, default=40)
-    parser.add_argument("--critic-steps", type=int, default=0)
+    parser.add_argument("--critic-steps", type=int, default=5, help="updates of each critic case")
     args = parser.parse_args()
     world = megatron_groups.init_distributed()
-    dims = ParallelDims(world_size=world, **json.loads(args.layout))
-    megatron_groups.initialize(dims)
-    for name, megatron_dir, batching, overrides in json.loads(args.cases):
-        batching = BatchingConfig(**batching)
-        if args.critic_steps:
-            result = critic_case(args, dims, megatron_dir, batching)
-        else:
-            result = actor_case(args, dims, megatron_dir, batching, overrides)
-        if megatron_groups.is_rank0():
-            torch.save(result, os.path.join(args.out_dir, f"{name}.pt"))
+    for layout, fields, cases in json.loads(args.layouts):
+        dims = ParallelDims(world_size=world, **fields)
+        out_dir = os.path.join(args.out_dir, layout)
+        os.makedirs(out_dir, exist_ok=True)
+        for name, role, megatron_dir, batching, overrides in cases:
+            # Groups rebuilt and every RNG seeded for each case, as in a launch of its own: the
+            # critic's value head starts from random weights, the same at every layout.
+            megatron_groups.initialize(dims)
+            batching = BatchingConfig(**batching)
+            if role == "critic":
+                result = critic_case(args, dims, megatron_dir, batching)
+            else:
+                result = actor_case(args, dims, megatron_dir, batching, overrides)
+            if megatron_groups.is_rank0():
+                torch.save(result, os.path.join(out_dir, f"{name}.pt"))
     megatron_groups.destroy()
 
 

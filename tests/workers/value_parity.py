@@ -1,8 +1,11 @@
-"""torchrun worker: build the value model (policy trunk + ValueHead) at one layout from an HF
-checkpoint that carries a `score.weight` head, and have rank 0 save the values `Critic.values`
-computes on a fixed batch ([B, S], column i: the value of the state before token i)."""
+"""torchrun worker: at each of several layouts of one world size, build the value model (policy
+trunk + ValueHead) from an HF checkpoint that carries a `score.weight` head, and have rank 0 save
+the values `Critic.values` computes on a fixed batch ([B, S], column i: the value of the state
+before token i) to OUT_DIR/LAYOUT.pt."""
 
 import argparse
+import json
+import os
 
 import torch
 
@@ -18,21 +21,21 @@ from megarl.parallel_state.dims import ParallelDims
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--hf-dir", required=True)
-    parser.add_argument("--out", required=True)
-    for name in ("tp", "pp", "cp", "ep"):
-        parser.add_argument(f"--{name}", type=int, default=1)
+    parser.add_argument("--layouts", required=True,
+                        help="JSON list of [layout name, ParallelDims fields, hf_dir]")
+    parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
     world = megatron_groups.init_distributed()
-    dims = ParallelDims(world_size=world, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
-    megatron_groups.initialize(dims)
-    arch = load_arch(args.hf_dir)
-    chunks = build_model(arch, dims, role="value")
-    written, _ = load_hf_weights(chunks, arch, args.hf_dir, role="value")
-    batch = parity.scored_batch(parity.fixed_tokens(arch.vocab_size, 4, 32))
-    values = Critic(chunks, CriticConfig()).values(batch).values
-    if megatron_groups.is_rank0():
-        torch.save({"values": values, "written": written}, args.out)
+    for layout, fields, hf_dir in json.loads(args.layouts):
+        dims = ParallelDims(world_size=world, **fields)
+        megatron_groups.initialize(dims)
+        arch = load_arch(hf_dir)
+        chunks = build_model(arch, dims, role="value")
+        written, _ = load_hf_weights(chunks, arch, hf_dir, role="value")
+        batch = parity.scored_batch(parity.fixed_tokens(arch.vocab_size, 4, 32))
+        values = Critic(chunks, CriticConfig()).values(batch).values
+        if megatron_groups.is_rank0():
+            torch.save({"values": values, "written": written}, os.path.join(args.out_dir, f"{layout}.pt"))
     megatron_groups.destroy()
 
 
