@@ -12,12 +12,10 @@ import sys
 from megarl.models.hf_io import SafetensorsReader
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("a")
-    parser.add_argument("b")
-    args = parser.parse_args()
-    a, b = SafetensorsReader(args.a), SafetensorsReader(args.b)
+def compare(a_dir: str, b_dir: str) -> dict:
+    """The JSON line's fields: tensor count of A, names only in A or only in B, names whose dtype,
+    shape or values differ, and bit_exact."""
+    a, b = SafetensorsReader(a_dir), SafetensorsReader(b_dir)
     names_a, names_b = set(a.names()), set(b.names())
     differing = sorted(
         name for name in names_a & names_b
@@ -27,6 +25,15 @@ def main():
     result = {"tensors": len(names_a), "only_in_a": sorted(names_a - names_b),
               "only_in_b": sorted(names_b - names_a), "differing": differing}
     result["bit_exact"] = not (result["only_in_a"] or result["only_in_b"] or differing)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("a")
+    parser.add_argument("b")
+    args = parser.parse_args()
+    result = compare(args.a, args.b)
     print(json.dumps(result))
     sys.exit(0 if result["bit_exact"] else 1)
 

@@ -26,6 +26,17 @@ def run(script: str, *args: str, nproc: int = 1, timeout: int = 600,
     return proc
 
 
+def load_script(name: str):
+    """scripts/NAME.py loaded as a module, to call its functions in this process: launching a
+    script costs ~4 s of imports here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def last_json(proc: subprocess.CompletedProcess) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
