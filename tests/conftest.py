@@ -48,6 +48,7 @@ TIERS = {
     "test_rewards": UNIT,
     "test_rollout_engine": (UNIT, {"test_sampling_parameters_reach_vllm": E2E}),
     "test_slurm": E2E,
+    "test_slurm_env": DISTRIBUTED,  # sources the sbatch scripts' env.sh in bash
     "test_source_layout": UNIT,
     "test_source_layout_live": DISTRIBUTED,
     "test_spec_keys": DISTRIBUTED,  # Megatron models at TP2 over gloo
@@ -58,6 +59,7 @@ TIERS = {
     "test_weight_sync": (E2E, {"test_stale_shared_memory_segments_are_removed": UNIT}),
     "test_weight_sync_fuzz": (E2E, {"test_seeds_cover_the_risky_corners": UNIT}),
     "test_weight_transforms": UNIT,
+    "test_worker_env": UNIT,
 }
 
 

@@ -3,10 +3,11 @@ world running megarl.trainer.loop.train.
 
 The driver reserves `world_size` slots in a placement group (a CPU each here, a GPU and a CPU
 each on a GPU cluster), packed, numbers the ranks node by node (placement.py: a TP group or a
-rollout engine that would span two nodes is refused), starts one worker
-per slot with the torch.distributed environment (rank, world, local rank, master address and
-port), and waits for all of them. `ray.init()` starts a local cluster when there is none;
-`ray_address` joins an existing one (e.g. the one a Slurm job started).
+rollout engine that would span two nodes is refused), starts one worker per slot with the
+torch.distributed environment (rank, world, local rank, master address and port) and the
+driver's NCCL/device settings (worker_env.py), and waits for all of them. `ray.init()` starts a
+local cluster when there is none; `ray_address` joins an existing one (e.g. the one a Slurm job
+started).
 Unless verbose, each worker writes its output to run_dir/logs/rank<R>.log and Ray forwards none of
 it: rank 0's megarl lines and progress come through a queue and the driver draws them (console.py).
 Does not own the loop (loop.py).
@@ -15,10 +16,10 @@ Does not own the loop (loop.py).
 import os
 from typing import Optional, Tuple
 
-from megarl.parallel_state import device_choice
 from megarl.resharding.destination import RolloutLayout
 from megarl.trainer import console, placement
 from megarl.trainer.config import RunConfig
+from megarl.trainer.worker_env import worker_env
 
 
 class _Worker:
@@ -97,10 +98,7 @@ def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optiona
                          f"cluster has {available:g}. Lower layout.world_size or add nodes.")
     group = placement_group([slot] * world, strategy="PACK")
     ray.get(group.ready())
-    # All devices visible to each worker, which picks its own by LOCAL_RANK (as under torchrun).
-    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if gpus else {}
-    if device_choice.VARIABLE in os.environ:  # Ray workers start from the raylet's environment
-        env[device_choice.VARIABLE] = os.environ[device_choice.VARIABLE]
+    env = worker_env(os.environ, gpus)
     worker_cls = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0)(_Worker)
     workers = [worker_cls.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
