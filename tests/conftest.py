@@ -32,6 +32,8 @@ TIERS = {
     "test_device_memory": UNIT,
     "test_dynamic_sampling": UNIT,
     "test_hf_config": UNIT,
+    # make -n: prints the install's commands, runs none
+    "test_install": (UNIT, {"test_make_install_selects_environment_lock_and_steps": DISTRIBUTED}),
     "test_layout_parity": DISTRIBUTED,
     "test_loop": E2E,
     "test_nonfinite": DISTRIBUTED,

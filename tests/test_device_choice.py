@@ -27,7 +27,8 @@ def test_the_choice(requested, machine, on_gpu):
     ("cuda", CPU_BOX, r"MEGARL_DEVICE=cuda but torch 2.13.0\+cpu cannot use CUDA \(a CPU build\) and this "
                       r"machine shows no NVIDIA device: install the GPU build .*or set MEGARL_DEVICE=cpu"),
     ("cuda", CPU_TORCH_ON_GPU_NODE, r"MEGARL_DEVICE=cuda but torch 2.13.0\+cpu cannot use CUDA \(a CPU "
-                                    r"build\): install the GPU build with `pip install -e '.\[gpu,dev\]'`"),
+                                    r"build\): install the GPU build with `make install DEVICE=cuda` "
+                                    r"\(its own environment, .venv-cuda\)"),
     # the silent fallback this module exists to stop: a GPU node with a CPU build of torch
     (None, CPU_TORCH_ON_GPU_NODE, r"this machine has an NVIDIA GPU but torch 2.13.0\+cpu cannot use it "
                                   r"\(a CPU build\).*or set MEGARL_DEVICE=cpu to run on the CPU on purpose"),

@@ -18,8 +18,9 @@ import torch
 
 VARIABLE = "MEGARL_DEVICE"
 CHOICES = ("cuda", "cpu")
-# A CPU build of torch satisfies the same pin, so the GPU build goes into a fresh environment.
-_INSTALL = "`pip install -e '.[gpu,dev]'` into a fresh virtualenv on a GPU node"
+# The GPU install has its own environment (.venv-cuda): a CPU build of torch satisfies the same
+# pin, so installing over the CPU environment would not replace it.
+_INSTALL = "`make install DEVICE=cuda` (its own environment, .venv-cuda)"
 
 
 def choose(requested: Optional[str], cuda_available: bool, gpu_present: bool, nccl_available: bool,
