@@ -11,7 +11,7 @@ import pytest
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.models.hf_config import load_arch
-from megarl.models.megatron_config import transformer_config
+from megarl.models.megatron_config import gpu_switches, transformer_config
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rollout.vllm_engine import rollout_groups
 from megarl.trainer.config import RunConfig
@@ -97,3 +97,26 @@ def test_moe_routers_run_in_fp32_unless_turned_off(name, tmp_path):
     (tmp_path / "off").mkdir()
     config, arch = load_preset(name, tmp_path / "off", "model.router_fp32=false")
     assert transformer_config(arch, dims, **config.model.transformer_overrides()).moe_router_dtype is None
+
+
+def test_gpu_switches_on_the_gpu_path_only():
+    assert not any(gpu_switches(False, interleaved=False, grad_accum_kernel=True).values())
+    on = gpu_switches(True, interleaved=False, grad_accum_kernel=True)
+    assert all(on.values()), on
+    # Megatron refuses batched p2p with the overlapped p2p of an interleaved schedule; without
+    # apex's kernel its own linears cannot fuse gradient accumulation
+    assert gpu_switches(True, interleaved=True, grad_accum_kernel=True)["batch_p2p_comm"] is False
+    no_apex = gpu_switches(True, interleaved=False, grad_accum_kernel=False)
+    assert no_apex["gradient_accumulation_fusion"] is False
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_megatron_accepts_the_gpu_switches_for_each_preset(name, tmp_path):
+    config, arch = load_preset(name, tmp_path)
+    dims = config.layout.dims()
+    switches = gpu_switches(True, interleaved=dims.vpp is not None, grad_accum_kernel=True)
+    # RoPE fusion is TE's kernel, which Megatron looks for when validating: not importable here
+    switches["apply_rope_fusion"] = False
+    built = transformer_config(arch, dims, **config.model.transformer_overrides(), **switches)
+    assert built.bias_activation_fusion and built.bias_dropout_fusion and built.masked_softmax_fusion
+    assert built.batch_p2p_comm is (dims.vpp is None)

@@ -22,6 +22,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.actor.packing import PackedMicroBatch
 from megarl.actor.schedule import run_micro_batches
+from megarl.parallel_state import device_choice
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -53,6 +54,11 @@ class OptimConfig:
                              "must be >= 0")
 
 
+def _per_chunk(funcs: list):
+    """Megatron's schedules take one function for a single chunk and a list for VPP chunks."""
+    return funcs[0] if len(funcs) == 1 else funcs
+
+
 def _sum_grads(model, num_tokens=None, **kwargs):
     # The losses are global-batch shares already: reduce over DP without dividing by num_tokens.
     return finalize_model_grads(model, None, **kwargs)
@@ -80,11 +86,20 @@ class TrainState:
         model_config = chunks[0].config
         model_config.calculate_per_token_loss = True  # DDP reads it when built: sum, not average
         model_config.finalize_model_grads_func = _sum_grads
+        # On GPUs the gradient reduce of a bucket overlaps the rest of the backward (NCCL streams);
+        # over gloo it would only add threads to a 2-core box.
+        overlap = device_choice.on_gpu()
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
             use_distributed_optimizer=config.use_distributed_optimizer)
         self.chunks, self.clip_grad = chunks, config.clip_grad
         self.model = [DistributedDataParallel(model_config, ddp_config, c) for c in chunks]
+        if overlap:
+            # As Megatron-LM's training loop wires it: no bucket reduces before the last
+            # micro-batch, and the pipeline schedule starts each chunk's reduce when its last
+            # backward is done (finalize_model_grads waits for them).
+            model_config.no_sync_func = _per_chunk([m.no_sync for m in self.model])
+            model_config.grad_sync_func = _per_chunk([m.start_grad_sync for m in self.model])
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=config.lr, min_lr=config.min_lr,
                             weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,

@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import _grad_accum_fusion_available
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.models.hf_config import ModelArch
@@ -22,6 +23,23 @@ VOCAB_DIVISOR = 128
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     multiple = VOCAB_DIVISOR * tp
     return -(-vocab_size // multiple) * multiple
+
+
+def gpu_switches(on_gpu: bool, interleaved: bool, grad_accum_kernel: bool) -> dict:
+    """Pure: the fused kernels and batched p2p, on the GPU path only. On the CPU path there are
+    no kernels to fuse, and unbatched p2p keeps the two directions of a 2-stage pipeline apart
+    (gloo matches messages per peer in order). Batched p2p cannot go with the overlapped p2p of
+    an interleaved schedule (Megatron refuses both). Gradient-accumulation fusion needs apex's
+    fused_weight_gradient_mlp_cuda for Megatron's own linears (the output layer); TE's linears
+    bring their own."""
+    return dict(
+        bias_activation_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=on_gpu,
+        gradient_accumulation_fusion=on_gpu and grad_accum_kernel,
+        batch_p2p_comm=on_gpu and not interleaved,
+    )
 
 
 def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtype = None,
@@ -73,18 +91,13 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
+        # apex's persistent LayerNorm only; these models use RMSNorm.
         persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         # RL batches change length every step: pipeline stages exchange shapes first.
         variable_seq_lengths=True,
-        # Unbatched p2p keeps the two directions of a 2-stage pipeline apart (gloo matches
-        # messages per peer in order); interleaving overlaps p2p with compute as Megatron-LM does.
-        batch_p2p_comm=False,
+        # Interleaving overlaps p2p with compute as Megatron-LM does.
         overlap_p2p_comm=dims.vpp is not None,
+        **gpu_switches(on_gpu, dims.vpp is not None, _grad_accum_fusion_available),
         moe_token_dispatcher_type="alltoall",  # the only dispatcher that allows variable lengths
         cp_comm_type="p2p" if use_te and dims.cp > 1 else None,
         **moe,
