@@ -5,7 +5,8 @@
 
 Loads IN into the Megatron actor at the layout, perturbs it (as training would), generates with
 vLLM before and after syncing, and compares vLLM's sampled-token log-probs with the actor's
-teacher-forced log-probs. The last line printed is one JSON object.
+teacher-forced log-probs; with --loader-parity, also the engine's tensors with those vLLM's own
+loaders make of the same weights. The last line printed is one JSON object.
 """
 
 import argparse
@@ -16,6 +17,7 @@ import sys
 import torch
 
 from megarl.checks import weight_sync as verify
+from megarl.checks.loader_parity import loader_parity
 from megarl.models.builder import build_model
 from megarl.models.hf_config import load_arch
 from megarl.models.hf_io import load_hf_weights
@@ -42,6 +44,10 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-logprob-diff", type=float, default=1e-4,
                         help="exit 1 if the post-sync difference exceeds this")
+    parser.add_argument("--loader-parity", action="store_true",
+                        help="also compare the engine's synced tensors with vLLM's own loader's "
+                             "(from an HF export of the actor); exit 1 unless they are equal. "
+                             "Dense models on the CPU (megarl/checks/loader_parity.py)")
     args = parser.parse_args()
 
     world = megatron_groups.init_distributed()
@@ -77,10 +83,19 @@ def main():
               **{key: [r[key] for r in ranks] for key in (
                   "bytes_received", "bytes_sent", "shard_bytes", "messages", "peak_extra_bytes",
                   "measured_peak_bytes", "largest_tensor_bytes")}}
+    if args.loader_parity:
+        parity = loader_parity(engine, chunks, arch, args.hf_dir)
+        ranks = [parity] * world
+        if world > 1:
+            torch.distributed.all_gather_object(ranks, parity)
+        result.update({key: [r[key] for r in ranks] for key in parity})
     if megatron_groups.is_rank0():
         print(json.dumps(result))
     engine.shutdown()
     megatron_groups.destroy()
+    if args.loader_parity and max(result["weight_parity_max_abs_diff"]) > 0:
+        sys.exit(f"the synced tensors differ from vLLM's own loader's: "
+                 f"{result['weight_parity_max_abs_diff']} (per rank, at {result['weight_parity_worst']})")
     if after > args.max_logprob_diff:
         sys.exit(f"max_abs_logprob_diff {after:.3g} exceeds --max-logprob-diff {args.max_logprob_diff}")
 

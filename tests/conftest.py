@@ -31,6 +31,7 @@ TIERS = {
     "test_device_choice": UNIT,
     "test_device_memory": UNIT,
     "test_dynamic_sampling": UNIT,
+    "test_gpu_smoke": E2E,  # tests/gpu/: skipped without CUDA (tests/gpu/conftest.py)
     "test_hf_config": UNIT,
     # make -n: prints the install's commands, runs none
     "test_install": (UNIT, {"test_make_install_selects_environment_lock_and_steps": DISTRIBUTED}),

@@ -52,7 +52,7 @@ def test_this_environment_passes_its_own_check():
 
     device = "cuda" if torch.version.cuda else "cpu"
     assert install_check.problems(device, torch.__version__, torch.version.cuda,
-                                  install_check._installed()) == []
+                                  install_check.installed()) == []
 
 
 def _megatron_te_range():

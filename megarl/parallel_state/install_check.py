@@ -50,7 +50,7 @@ def problems(device: str, torch_version: str, torch_cuda: Optional[str],
     return found
 
 
-def _installed() -> Dict[str, str]:
+def installed() -> Dict[str, str]:
     return {dist.metadata["Name"].lower().replace("_", "-"): dist.version
             for dist in importlib.metadata.distributions()}
 
@@ -59,7 +59,7 @@ def main(argv: List[str]) -> int:
     import torch
 
     device = argv[0] if argv else ""
-    found = problems(device, torch.__version__, torch.version.cuda, _installed())
+    found = problems(device, torch.__version__, torch.version.cuda, installed())
     for problem in found:
         print(f"install check ({device}): {problem}", file=sys.stderr)
     print(json.dumps({"device": device, "torch": torch.__version__, "torch_cuda": torch.version.cuda,

@@ -131,6 +131,11 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         return report
 
+    def live_weights(self) -> Dict[str, torch.Tensor]:
+        """A host copy of every parameter as the kernels hold it (after vLLM's processing)."""
+        return {name: param.detach().to("cpu", copy=True)
+                for name, param in self._writer.model.named_parameters()}
+
     def load_hf_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> WeightUpdateReport:
         """Reload through vLLM's own loaders from full HF-named tensors: what other trainers do,
         kept as the baseline bench/bench_sync.py times the sync against. On CPU its MoE experts

@@ -1,0 +1,48 @@
+"""Weight-level check of a sync, independent of kernels and dtype: the tensors the engine's
+kernels use after megarl's sync, against the same weights loaded by vLLM's own loaders (from an
+HF export of the actor). Every element the sync writes must be where vLLM's loader puts it, and
+processed the same way, so the difference is 0 in any dtype; a log-prob comparison cannot say as
+much in bf16, where vLLM's kernels and Megatron's differ by rounding.
+
+On the CPU, vLLM 0.32's reload leaves MoE experts unprepared (VLLMEngine.load_hf_weights), so
+there the check holds for dense models only. Collective; the ranks share a filesystem (one node).
+"""
+
+import os
+import shutil
+import tempfile
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.hf_config import ModelArch, load_hf_config
+from megarl.models.hf_io import SafetensorsReader
+from megarl.resharding.hf_export import export_hf
+
+
+def loader_parity(engine, chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str) -> dict:
+    """{"weight_parity_max_abs_diff", "weight_parity_worst", "weight_parity_tensors"}: the
+    largest difference over this rank's engine tensors and where it is. Leaves the engine holding
+    the reloaded weights (the same values)."""
+    synced = engine.live_weights()
+    root = [tempfile.mkdtemp(prefix="megarl_loader_parity_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    export = export_hf(chunks, arch, load_hf_config(hf_dir), hf_dir, os.path.join(root[0], "hf"))
+    reader = SafetensorsReader(export)
+    report = engine.load_hf_weights((name, reader(name)) for name in reader.names())
+    reader.close()
+    if report.missing or report.unexpected:
+        raise RuntimeError(f"vLLM's loader did not take the export: missing {report.missing[:3]}, "
+                           f"unexpected {report.unexpected[:3]}")
+    reloaded = engine.live_weights()
+    if set(synced) != set(reloaded):
+        raise RuntimeError(f"engine tensors changed names: {sorted(set(synced) ^ set(reloaded))[:3]}")
+    diffs = {name: float((synced[name].double() - reloaded[name].double()).abs().max())
+             for name in synced if synced[name].numel()}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root[0])
+    worst = max(diffs, key=diffs.get)
+    return {"weight_parity_max_abs_diff": diffs[worst], "weight_parity_worst": worst,
+            "weight_parity_tensors": len(diffs)}
