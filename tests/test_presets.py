@@ -8,10 +8,11 @@ import json
 import os
 
 import pytest
+import torch
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.models.hf_config import load_arch
-from megarl.models.megatron_config import gpu_switches, transformer_config
+from megarl.models.megatron_config import check_te_dtype, gpu_switches, transformer_config
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rollout.vllm_engine import rollout_groups
 from megarl.trainer.config import RunConfig
@@ -120,3 +121,13 @@ def test_megatron_accepts_the_gpu_switches_for_each_preset(name, tmp_path):
     built = transformer_config(arch, dims, **config.model.transformer_overrides(), **switches)
     assert built.bias_activation_fusion and built.bias_dropout_fusion and built.masked_softmax_fusion
     assert built.batch_p2p_comm is (dims.vpp is None)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_fp32_models_are_refused_on_transformer_engine_only(name, tmp_path):
+    config, arch = load_preset(name, tmp_path)
+    check_te_dtype(arch.torch_dtype, use_te=True)  # the published models are bf16
+    check_te_dtype(torch.float32, use_te=False)  # the portable layers run fp32 (the CPU suite)
+    with pytest.raises(ValueError, match=r"dtype is float32 .*cannot run on packed sequences: use a "
+                                         r"bfloat16 checkpoint .*or MEGARL_DEVICE=cpu"):
+        check_te_dtype(torch.float32, use_te=True)

@@ -42,6 +42,18 @@ def gpu_switches(on_gpu: bool, interleaved: bool, grad_accum_kernel: bool) -> di
     )
 
 
+def check_te_dtype(dtype: torch.dtype, use_te: bool) -> None:
+    """megarl packs sequences (thd). Transformer Engine's flash and cuDNN attention take only
+    bf16/fp16 and its unfused attention refuses thd, so an fp32 model would fail inside TE on its
+    first forward: refused before anything starts. (Conversion builds the model without running
+    it, so it does not ask.)"""
+    if use_te and dtype == torch.float32:
+        raise ValueError("the model's dtype is float32 (its config.json torch_dtype), which Transformer "
+                         "Engine's attention cannot run on packed sequences: use a bfloat16 "
+                         "checkpoint (torch_dtype / dtype 'bfloat16' in config.json), or "
+                         "MEGARL_DEVICE=cpu for the portable layers")
+
+
 def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtype = None,
                        aux_loss_coeff: float = None, use_te: bool = False,
                        **overrides) -> TransformerConfig:

@@ -15,7 +15,7 @@ from megarl.actor.config import BatchingConfig
 from megarl.actor.packing import plan_micro_batches
 from megarl.actor.passes import mini_batch_rows
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
-from megarl.models.megatron_config import transformer_config
+from megarl.models.megatron_config import check_te_dtype, transformer_config
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.destination import RolloutLayout, check_rollout
@@ -64,6 +64,7 @@ def preflight(config: RunConfig) -> ParallelDims:
     arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
     dims = config.layout.dims()
     transformer_config(arch, dims)  # the builder's check_model, then Megatron's own checks
+    check_te_dtype(arch.torch_dtype, use_te=device_choice.on_gpu())
     _check_rollout(config, arch)
     longest = config.data.max_prompt_len + config.generation.max_new_tokens
     if longest > arch.max_position_embeddings:
