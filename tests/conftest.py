@@ -22,6 +22,8 @@ TIERS = {
     "test_algos_shaping": UNIT,
     "test_algos_vocab_parallel": (UNIT, {"test_two_rank_gloo_group_matches_full_log_softmax": DISTRIBUTED}),
     "test_architecture": UNIT,
+    "test_checkpoint_extra_state": (DISTRIBUTED, {"test_only_extra_state_may_be_on_one_side_fuzzed": UNIT,
+                                                   "test_a_long_mismatch_is_named_in_part": UNIT}),
     "test_checkpoint_files": (DISTRIBUTED, {"test_missing_and_truncated_hf_shards": UNIT}),
     "test_collective_timeout": DISTRIBUTED,
     "test_config_keys": UNIT,

@@ -2,17 +2,21 @@
 
 Owns the on-disk layout of a converted model: the torch_dist shards written by Megatron, plus
 `megarl_model.json` (the source HF config, so a checkpoint is self-describing) and the HF
-tokenizer files under `hf_assets/`. Loads at any TP/PP/EP/ETP/CP layout.
+tokenizer files under `hf_assets/`. Loads at any TP/PP/EP/ETP/CP layout, written with either layer
+spec (Transformer Engine's or the portable one).
 """
 
 import json
 import os
 import shutil
-from typing import Dict, List
+from typing import Dict, Iterable, List, Set
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
 MODEL_FILE = "megarl_model.json"
 ASSETS_DIR = "hf_assets"
@@ -88,10 +92,55 @@ def check_files(ckpt_dir: str) -> None:
                              "copy the checkpoint again or use another one")
 
 
+def _is_extra_state(key: str) -> bool:
+    # Transformer Engine's modules checkpoint their fp8 metadata as `<module>._extra_state`
+    # (a grouped expert linear too: its per-expert names all map to that sharded key).
+    return key.rsplit(".", 1)[-1] == "_extra_state"
+
+
+def _some(keys: List[str], shown: int = 8) -> str:
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"{keys[:shown]}{more}"
+
+
+def drop_absent_extra_state(requested: Iterable[str], stored: Iterable[str], source: str) -> Set[str]:
+    """The sharded keys to load: `requested` less the `_extra_state` keys `stored` lacks.
+
+    TE's layer spec asks for `_extra_state` keys (its core attention's and norms') that the
+    portable spec (CPU) does not write; tolerating them either way lets a checkpoint written from
+    either spec load into the other: a TE module whose key is absent keeps its fresh fp8 metadata,
+    a stored one nobody asks for stays unread. Any other key on one side only raises, naming the
+    keys (`source`: the checkpoint)."""
+    requested, stored = set(requested), set(stored)
+    lacking = sorted(k for k in requested - stored if not _is_extra_state(k))
+    unused = sorted(k for k in stored - requested if not _is_extra_state(k))
+    if lacking or unused:
+        found = [f"it lacks the model's {_some(lacking)}"] if lacking else []
+        found += [f"it holds {_some(unused)}, which the model does not have"] if unused else []
+        raise ValueError(f"Megatron checkpoint {source!r} does not fit this model: {'; '.join(found)}; "
+                         "load a checkpoint of this model (scripts/convert_hf_to_megatron.py)")
+    return requested & stored
+
+
 def load(chunks: List[torch.nn.Module], ckpt_dir: str) -> None:
     """Collective: load the checkpoint into this rank's shards at the current layout."""
     read_model_file(ckpt_dir)
     check_files(ckpt_dir)
-    state = dist_checkpointing.load(_sharded_state_dict(chunks), ckpt_dir)
+    request = _sharded_state_dict(chunks)
+    mine = sorted({sh.key for sh in nested_values(request) if isinstance(sh, ShardedBase)})
+    # Compared over the whole world: a stored key only another pipeline stage asks for is used,
+    # and every rank takes the same decision, so a refusal never leaves the others waiting.
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    stored = {sh.key for sh in load_sharded_metadata(ckpt_dir).values()}
+    loadable = drop_absent_extra_state(set().union(*everyone), stored, ckpt_dir)
+    kept, request = extract_matching_values(
+        request, lambda sh: isinstance(sh, ShardedBase) and sh.key not in loadable)
+    state = dist_checkpointing.load(request, ckpt_dir)
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state[f"chunk{i}"], strict=True)
+        # What was left out keeps the module's own value, and strict loading still names any other
+        # gap. A grouped expert linear's `_extra_state<i>` are sharded-dict names only: its torch
+        # state dict holds one `_extra_state`.
+        values, own = state[f"chunk{i}"], chunk.state_dict()
+        values.update({name: own[name] for name in kept.get(f"chunk{i}", {}) if name in own})
+        chunk.load_state_dict(values, strict=True)
