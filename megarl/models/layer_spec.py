@@ -4,7 +4,9 @@ Both write the same checkpoint keys. TE fuses the attention's input norm into `l
 (`self_attention.linear_qkv.layer_norm_weight`) and, in a dense layer, the MLP's norm into
 `linear_fc1`; a MoE layer keeps its own `pre_mlp_layernorm`. The portable spec maps its separate
 norms to those names in sharded_state_dict, as Megatron's own local spec does for dense layers
-(tests/test_spec_keys.py), so a checkpoint written from either spec loads into the other.
+(tests/test_spec_keys.py). TE's modules also store fp8 metadata (`_extra_state`) that the
+portable ones lack; the loader tolerates it absent or extra (checkpoint.drop_absent_extra_state),
+so a checkpoint written from either spec loads into the other.
 """
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
