@@ -47,8 +47,10 @@ def prepare(args) -> None:
                     "--hf-dir", model_dir, "--out", os.path.join(args.out, "megatron")],
                    check=True, stdout=sys.stderr,
                    env={k: v for k, v in os.environ.items() if k not in launcher})
+    # --sft-steps 0 keeps the random model: no NLL to report.
+    trained = f" (answer NLL {nll[0]:.2f} -> {nll[-1]:.2f})" if nll else ""
     console.say(f"megarl: demo inputs in {args.out}: {len(records)} prompts, vocab {len(tokenizer)}, "
-                f"{args.sft_steps} warm-start steps (answer NLL {nll[0]:.2f} -> {nll[-1]:.2f}); "
+                f"{args.sft_steps} warm-start steps{trained}; "
                 f"log in {console.log_path(args.out, 'prepare')}")
 
 
