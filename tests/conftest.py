@@ -98,8 +98,11 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, tests.get(getattr(item, "originalname", item.name), default)))
 
 # Every family, plus the variants that break naive code (tied embeddings, one KV head).
-MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1"]
-MOE_MODELS = ["qwen3_moe", "mixtral"]
+MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1", "glm4_moe",
+          "deepseek_v3"]
+# Sigmoid + expert-bias routing, shared experts, dense first layers, MTP (and MLA for DeepSeek).
+DEEPSEEK_MODELS = ["glm4_moe", "deepseek_v3"]
+MOE_MODELS = ["qwen3_moe", "mixtral", *DEEPSEEK_MODELS]
 # Converted with 2 ranks (each rank writes half the layers); the others with one process.
 TWO_RANK_CONVERSION = {"qwen3_moe", "llama_tied", "qwen2"}
 

@@ -1,5 +1,7 @@
 """HF -> Megatron -> HF round trips over random small configs (family, heads, GQA ratio, head
-size, vocabulary size, layers, experts and top-k, tied or untied embeddings), one and two ranks:
+size, vocabulary size, layers, experts and top-k, tied or untied embeddings, and the
+DeepSeek-style families' routing groups, dense layers, shared experts, MTP, MLA and RoPE), one
+and two ranks:
 bit-exact every time. The draw is seeded, so a failure names a case that reproduces;
 MEGARL_FUZZ_CASES=N widens the sweep beyond the CI default."""
 
@@ -10,12 +12,13 @@ import pytest
 
 from tests.launch import load_script, run
 
-CASES = int(os.environ.get("MEGARL_FUZZ_CASES", "6"))
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]
+CASES = int(os.environ.get("MEGARL_FUZZ_CASES", "7"))
 
 
 def random_config(seed: int):
     rng = random.Random(seed)
-    family = rng.choice(["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+    family = FAMILIES[seed % len(FAMILIES)]  # every family in the CI default's cases
     heads = rng.choice([2, 4, 8])
     head_dim = rng.choice([16, 32, 64])
     fields = dict(num_attention_heads=heads, num_key_value_heads=rng.choice([d for d in (1, 2, 4, 8)
@@ -34,8 +37,39 @@ def random_config(seed: int):
             fields.update(num_local_experts=experts)
         # Renormalized top-1 is refused (tests/test_hf_config.py).
         fields["num_experts_per_tok"] = rng.randint(2 if renormalized else 1, experts)
+    if family in ("glm4_moe", "deepseek_v3"):
+        fields.update(deepseek_style(rng, family, fields))
     nproc = 2 if fields["num_hidden_layers"] % 2 == 0 and rng.random() < 0.5 else 1
     return family, fields, nproc
+
+
+def deepseek_style(rng: random.Random, family: str, fields: dict) -> dict:
+    """Routing groups (limited or not), dense first layers, shared experts, MTP layers; MLA with
+    or without low-rank q and YaRN, or GLM's partial RoPE, QK norm and attention bias."""
+    experts = rng.choice([4, 8, 16])
+    groups = rng.choice([g for g in (1, 2, 4) if experts // g >= 2])
+    group_topk = rng.randint(1, groups)
+    # Renormalized top-1 is refused (tests/test_hf_config.py).
+    topk = 2 * group_topk if group_topk < groups else rng.randint(2, experts)
+    out = dict(n_routed_experts=experts, n_group=groups, topk_group=group_topk,
+               num_experts_per_tok=topk, n_shared_experts=rng.randint(1, 2),
+               moe_intermediate_size=8 * rng.randint(2, 16), routed_scaling_factor=rng.choice([1.0, 2.5]),
+               first_k_dense_replace=rng.randint(0, fields["num_hidden_layers"] - 1),
+               num_nextn_predict_layers=rng.randint(0, 1))
+    if family == "glm4_moe":
+        out.update(partial_rotary_factor=rng.choice([0.5, 1.0]), use_qk_norm=rng.random() < 0.5,
+                   attention_bias=rng.random() < 0.5)
+        return out
+    out.update(num_key_value_heads=fields["num_attention_heads"],
+               q_lora_rank=rng.choice([None, 8 * rng.randint(2, 12)]),
+               kv_lora_rank=8 * rng.randint(2, 12), qk_rope_head_dim=rng.choice([8, 16, 32]),
+               qk_nope_head_dim=rng.choice([16, 32, 64]), v_head_dim=rng.choice([16, 32, 64]),
+               topk_method="noaux_tc", scoring_func="sigmoid")
+    if rng.random() < 0.5:
+        out["rope_scaling"] = dict(type="yarn", factor=rng.choice([2.0, 4.0]),
+                                   original_max_position_embeddings=64, mscale=1.0,
+                                   mscale_all_dim=rng.choice([0.0, 1.0]))
+    return out
 
 
 @pytest.mark.parametrize("seed", range(CASES))

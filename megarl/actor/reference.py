@@ -1,8 +1,9 @@
 """The reference policy as a weight set, not a second model.
 
-Owns a host copy of this rank's parameter shards (pinned on GPU machines) and swapping it into
-the actor's own modules for a forward, then restoring the actor's weights bit for bit. Memory on
-the accelerator: nothing beyond the actor; on the host: one copy of this rank's shards.
+Owns a host copy of this rank's parameter shards and expert-bias buffers (pinned on GPU
+machines) and swapping it into the actor's own modules for a forward, then restoring the
+actor's weights bit for bit. Memory on the accelerator: nothing beyond the actor; on the host:
+one copy of this rank's shards.
 Does not own computing log-probs (actor.py).
 """
 
@@ -11,11 +12,17 @@ from typing import Dict, List
 
 import torch
 
+from megarl.models.param_layout import WEIGHT_BUFFERS
 from megarl.parallel_state import device_choice
 
 
-def _named_parameters(chunks: List[torch.nn.Module]) -> Dict[str, torch.nn.Parameter]:
-    return {f"{i}.{name}": p for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+def _named_parameters(chunks: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:
+    """Parameters and weight buffers: the reference routes with its own expert bias."""
+    named = {}
+    for i, chunk in enumerate(chunks):
+        named.update({f"{i}.{name}": p for name, p in chunk.named_parameters()})
+        named.update({f"{i}.{name}": b for name, b in chunk.named_buffers() if WEIGHT_BUFFERS.search(name)})
+    return named
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch
-from megarl.models.param_layout import param_slots
+from megarl.models.param_layout import weight_slots
 from megarl.parallel_state import megatron_groups
 from megarl.rollout.collect import to_batch
 from megarl.rollout.engine import RolloutSample, SamplingConfig
@@ -27,7 +27,7 @@ def perturb(chunks: List[torch.nn.Module], arch: ModelArch, scale: float, seed: 
     """Add relative noise to every parameter. Noise is drawn from the full tensor's name and the
     shard's TP rank (0 for TP-replicated tensors), so every replica -- DP, CP, the TP copies of
     a norm, a tied embedding's two copies -- gets the same noise and replicas stay identical."""
-    for slot, param in param_slots(chunks):
+    for slot, param in weight_slots(chunks):
         shard = slot.tp_rank if slot.tp_dim is not None else 0
         key = f"{weight_tables.entry_of(arch, slot.canonical, 'policy').megatron}/{shard}"
         generator = torch.Generator().manual_seed(seed ^ zlib.crc32(key.encode()))

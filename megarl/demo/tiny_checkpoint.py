@@ -6,6 +6,8 @@ Weights are drawn with a fixed seed and a larger std than HF's default so
 that layouts which mix up rows produce visibly different log-probs.
 """
 
+import json
+import os
 from typing import Any, Dict
 
 import torch
@@ -13,6 +15,11 @@ import torch
 BASE = dict(vocab_size=250, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
             rms_norm_eps=1e-6, tie_word_embeddings=False)
+# DeepSeek-style routing exercised fully: 4 groups of 4 experts, 2 groups per token, a dense
+# first layer, shared experts, scaled weights, and one MTP layer stored (not trained).
+_DEEPSEEK_MOE = dict(n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
+                     topk_group=2, first_k_dense_replace=1, moe_intermediate_size=64,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1)
 # Variants that break naive conversion code, named for the tests and benchmarks.
 VARIANTS: Dict[str, Dict[str, Any]] = {
     "llama_tied": dict(family="llama", tie_word_embeddings=True),
@@ -28,6 +35,19 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
     "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
                     num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
                     router_aux_loss_coef=0.0),
+    "glm4_moe": dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe",
+                     **_DEEPSEEK_MOE, partial_rotary_factor=0.5, use_qk_norm=True,
+                     attention_bias=True),
+    # vLLM's CPU MLA decode kernel takes only DeepSeek's own latent shapes (kv_lora_rank 512 +
+    # RoPE dim 64), so those stay real; YaRN as DeepSeek-V3 scales it (mscale_all_dim set).
+    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                        **_DEEPSEEK_MOE, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                        qk_nope_head_dim=64, v_head_dim=64, num_key_value_heads=4,
+                        rope_scaling=dict(type="yarn", factor=4.0,
+                                          original_max_position_embeddings=64, beta_fast=32,
+                                          beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+                        # Published checkpoints say so; vLLM loads the expert bias only then.
+                        topk_method="noaux_tc", scoring_func="sigmoid"),
 }
 
 
@@ -43,6 +63,7 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
     kwargs = {k: v for k, v in fields.items() if k not in ("architectures", "model_type")}
     if family == "qwen3_moe":
         kwargs["num_local_experts"] = kwargs.pop("num_experts")  # transformers 5 name
+    published = {k: kwargs.pop(k) for k in ("topk_method", "scoring_func") if k in kwargs}
     config = config_cls(**kwargs, architectures=fields["architectures"])
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -52,8 +73,45 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, std)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # HF starts it at zero
+                buffer.copy_(0.05 * torch.randn_like(buffer))
     model.save_pretrained(out_dir, safe_serialization=True)
+    if published:
+        _add_to_config(out_dir, published)
+    if fields.get("num_nextn_predict_layers"):
+        _add_mtp_layer(out_dir, fields["num_hidden_layers"], std)
     return out_dir
+
+
+def _add_to_config(out_dir: str, fields: Dict[str, Any]) -> None:
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**config, **fields}, f, indent=2)
+
+
+def _add_mtp_layer(out_dir: str, num_layers: int, std: float) -> None:
+    """What published DeepSeek-V3 / GLM-4.5 checkpoints store and HF transformers does not
+    build: an MTP layer at index num_layers (a decoder layer plus its projections and head), in
+    a second file with an index, as a sharded checkpoint is laid out."""
+    from safetensors.torch import load_file, save_file
+
+    main = load_file(os.path.join(out_dir, "model.safetensors"))
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    tensors = {mtp + name[len(last):]: torch.randn_like(t) * std
+               for name, t in main.items() if name.startswith(last)}
+    hidden = main["model.norm.weight"].shape[0]
+    tensors.update({mtp + "enorm.weight": torch.ones(hidden), mtp + "hnorm.weight": torch.ones(hidden),
+                    mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden) * std,
+                    mtp + "shared_head.norm.weight": torch.ones(hidden)})
+    save_file(tensors, os.path.join(out_dir, "model-mtp.safetensors"), metadata={"format": "pt"})
+    os.rename(os.path.join(out_dir, "model.safetensors"), os.path.join(out_dir, "model-main.safetensors"))
+    weight_map = {**{n: "model-main.safetensors" for n in main},
+                  **{n: "model-mtp.safetensors" for n in tensors}}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
 
 
 def make_named(name: str, out_dir: str, seed: int = 0) -> str:

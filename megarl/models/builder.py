@@ -31,14 +31,14 @@ def build_model(arch: ModelArch, dims: ParallelDims, role: str = "policy",
         vp = vp_stage if dims.vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_spec(config, arch.num_experts, arch.qk_norm, use_te,
-                                                vp_stage=vp),
+            transformer_layer_spec=decoder_spec(config, arch, use_te, vp_stage=vp),
             vocab_size=padded_vocab_size(arch.vocab_size, dims.tp),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=megatron_groups.is_first_stage(vp),
             post_process=megatron_groups.is_last_stage(vp),
             share_embeddings_and_output_weights=arch.tie_embeddings and role == "policy",
             position_embedding_type="rope",
+            rotary_percent=arch.rotary_percent,
             rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer()
             else arch.rope_theta,
             vp_stage=vp,

@@ -12,7 +12,7 @@ import shutil
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from megarl.models import checkpoint
+from megarl.models import checkpoint, mtp_weights
 from megarl.models.builder import build_model
 from megarl.models.hf_config import arch_from_hf_config, load_hf_config
 from megarl.models.hf_io import SafetensorsReader, load_hf_weights, local_hf_tensors
@@ -55,6 +55,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str) -> dict:
     world = dims.world_size
     _, reads = load_hf_weights(chunks, arch, hf_dir)
     checkpoint.save(chunks, partial, hf_config, hf_dir=hf_dir)
+    if dist.get_rank() == 0:
+        mtp_weights.keep_in_assets(arch, hf_dir, os.path.join(partial, checkpoint.ASSETS_DIR))
     _finish(partial, out_dir)
     reads_per_rank = [None] * world
     dist.all_gather_object(reads_per_rank, reads)
@@ -86,15 +88,18 @@ def megatron_to_hf(megatron_dir: str, out_dir: str) -> dict:
     dist.all_gather_object(all_names, (filename, names))
     if dist.get_rank() == 0:
         weight_map = {name: file for file, file_names in all_names for name in file_names}
+        assets = os.path.join(megatron_dir, checkpoint.ASSETS_DIR)
+        weight_map.update(mtp_weights.restore(arch, assets if os.path.isdir(assets) else None,
+                                              partial))
         total_size = sum(os.path.getsize(os.path.join(partial, f)) for f in set(weight_map.values()))
         with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f,
                       indent=2, sort_keys=True)
         with open(os.path.join(partial, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
-        assets = os.path.join(megatron_dir, checkpoint.ASSETS_DIR)
         if os.path.isdir(assets):
             for name in os.listdir(assets):
-                shutil.copy2(os.path.join(assets, name), partial)
+                if name in checkpoint.TOKENIZER_FILES:
+                    shutil.copy2(os.path.join(assets, name), partial)
     _finish(partial, out_dir)
     return {"out": out_dir, "family": arch.family, "layout": dims.describe()}

@@ -14,17 +14,17 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-from megarl.models import weight_tables
+from megarl.models import mtp_weights, weight_tables
 from megarl.models.hf_config import ModelArch
-from megarl.models.param_layout import ParamSlot, join_shards, local_shard, param_slots
+from megarl.models.param_layout import ParamSlot, join_shards, local_shard, param_slots, weight_slots
 from megarl.parallel_state import megatron_groups
 
 
 class SafetensorsReader:
     """Lazy reader over a (possibly sharded) safetensors checkpoint: tensors are read on demand."""
 
-    def __init__(self, hf_dir: str):
-        index_path = os.path.join(hf_dir, "model.safetensors.index.json")
+    def __init__(self, hf_dir: str, index: str = "model.safetensors.index.json"):
+        index_path = os.path.join(hf_dir, index)
         if os.path.isfile(index_path):
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
@@ -74,6 +74,7 @@ def check_hf_names(arch: ModelArch, names: List[str], hf_dir: str, role: str = "
     """Every tensor of the checkpoint must be one the weight table consumes: an unknown name
     means a config field megarl does not model, and dropping it would change the model."""
     known = {h for entry in weight_tables.entries(arch, role) for h in entry.hf}
+    known.update(mtp_weights.mtp_names(arch, names))  # kept aside, not trained (mtp_weights.py)
     if arch.tie_embeddings or role == "value":
         # Tied checkpoints may store the shared matrix twice; a critic started from a policy
         # checkpoint drops its LM head.
@@ -97,7 +98,7 @@ def load_hf_weights(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
     tp = megatron_groups.tensor().size
     written = 0
     try:
-        for slot, param in param_slots(chunks):
+        for slot, param in weight_slots(chunks):
             entry = weight_tables.entry_of(arch, slot.canonical, role)
             if entry.hf == weight_tables.VALUE_HEAD.hf and entry.hf[0] not in reader.weight_map:
                 continue
@@ -120,7 +121,7 @@ def local_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str =
                      ) -> Iterator[Tuple[str, torch.Tensor]]:
     """HF tensors of this rank's parameters; valid only where nothing is TP-sharded (tp=etp=1),
     as in the converter's layout. `tensor_of` picks what to export (default: the weights)."""
-    for slot, param in param_slots(chunks):
+    for slot, param in weight_slots(chunks):
         if slot.tp_dim is not None:
             raise ValueError(f"{slot.canonical} is TP-sharded; export needs tp = etp = 1 "
                              f"(use gather_hf_tensors for a sharded layout)")
@@ -139,7 +140,8 @@ def gather_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str 
     For verification and small models only: each rank ends up holding the whole model. The
     weight-sync path to vLLM streams instead (megarl.resharding)."""
     mine = []
-    for slot, param in param_slots(chunks):
+    # Weight buffers (the expert bias) have weights but no gradients.
+    for slot, param in (weight_slots if tensor_of is None else param_slots)(chunks):
         if weight_tables.tied_output(arch, slot.canonical, role):
             continue
         tensor = param.detach() if tensor_of is None else tensor_of(param)

@@ -15,16 +15,26 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
     get_mlp_module_spec_for_backend,
 )
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention,
+    MLASelfAttentionSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 
+from megarl.models.hf_config import ModelArch
 from megarl.models.portable_layers import PortableCoreAttention, RMSNorm
 
 
@@ -48,55 +58,91 @@ class PortableSpecProvider(LocalSpecProvider):
         return PortableCoreAttention
 
 
-def te_norm_keys(num_experts: int) -> dict:
-    """Checkpoint names of the separate norms as Transformer Engine's layer spec stores them."""
-    keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
-    if not num_experts:  # TE's MoE layer has a pre_mlp_layernorm of its own
+def te_norm_keys(moe_layer: bool, mla: bool) -> dict:
+    """Checkpoint names of the separate norms as Transformer Engine's layer spec stores them:
+    fused into the linear that follows them (MLA's input norm stays separate in TE's spec)."""
+    if mla:
+        keys = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+    else:
+        keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if not moe_layer:  # TE's MoE layer has a pre_mlp_layernorm of its own
         keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     return keys
 
 
-def portable_layer_spec(num_experts: int, qk_layernorm: bool) -> ModuleSpec:
+def _portable_attention(backend, norm, arch: ModelArch) -> ModuleSpec:
+    if arch.mla:
+        # DeepSeek's latent norms (q_a_layernorm, kv_a_layernorm) are always there. The down
+        # projections are replicated over TP, as TE's spec has them ('duplicated'): Megatron's
+        # column-parallel variant gathers the shared RoPE key without summing its gradient over
+        # the TP ranks (measured: kv_a_proj_with_mqa's gradient off by 55% at TP2).
+        return ModuleSpec(
+            module=MLASelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=MLASelfAttentionSubmodules(
+                linear_q_proj=backend.column_parallel_linear(),
+                linear_q_down_proj=ReplicatedLinear,
+                linear_q_up_proj=backend.column_parallel_linear(),
+                linear_kv_down_proj=ReplicatedLinear,
+                linear_kv_up_proj=backend.column_parallel_linear(),
+                core_attention=backend.core_attention(),
+                linear_proj=backend.row_parallel_linear(),
+                q_layernorm=norm,
+                kv_layernorm=norm,
+            ),
+        )
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=backend.column_parallel_linear(),
+            core_attention=backend.core_attention(),
+            linear_proj=backend.row_parallel_linear(),
+            q_layernorm=norm if arch.qk_norm else IdentityOp,
+            k_layernorm=norm if arch.qk_norm else IdentityOp,
+        ),
+    )
+
+
+def portable_layer_spec(arch: ModelArch, moe_layer: bool) -> ModuleSpec:
     backend = PortableSpecProvider()
     norm = backend.layer_norm(rms_norm=True)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=backend.column_parallel_linear(),
-                    core_attention=backend.core_attention(),
-                    linear_proj=backend.row_parallel_linear(),
-                    q_layernorm=norm if qk_layernorm else IdentityOp,
-                    k_layernorm=norm if qk_layernorm else IdentityOp,
-                ),
-            ),
+            self_attention=_portable_attention(backend, norm, arch),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts or None),
+            mlp=get_mlp_module_spec_for_backend(backend=backend,
+                                                num_experts=arch.num_experts if moe_layer else None),
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=te_norm_keys(num_experts),
+            sharded_state_dict_keys_map=te_norm_keys(moe_layer, arch.mla),
         ),
     )
 
 
-def decoder_spec(config, num_experts: int, qk_layernorm: bool, use_te: bool,
-                 vp_stage=None) -> TransformerBlockSubmodules:
-    """The layers this pipeline stage builds, and the final norm (which Megatron would otherwise
-    pick itself, refusing sequence parallelism without Apex)."""
+def _te_layer_spec(arch: ModelArch, moe_layer: bool) -> ModuleSpec:
+    return get_gpt_layer_with_transformer_engine_spec(
+        num_experts=arch.num_experts if moe_layer else None, moe_grouped_gemm=moe_layer,
+        qk_layernorm=arch.qk_norm or arch.mla, multi_latent_attention=arch.mla,
+    )
+
+
+def decoder_spec(config, arch: ModelArch, use_te: bool, vp_stage=None) -> TransformerBlockSubmodules:
+    """The layers this pipeline stage builds (dense or MoE each, by global layer id), and the
+    final norm (which Megatron would otherwise pick itself, refusing sequence parallelism
+    without Apex)."""
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
-        layer = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts or None, moe_grouped_gemm=bool(num_experts),
-            qk_layernorm=qk_layernorm,
-        )
-        norm = TENorm
+        layer_spec, norm = _te_layer_spec, TENorm
     else:
-        layer = portable_layer_spec(num_experts, qk_layernorm)
-        norm = RMSNorm
+        layer_spec, norm = portable_layer_spec, RMSNorm
+    specs = {moe: layer_spec(arch, moe) for moe in (False, True)}
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[arch.is_moe_layer(offset + i)] for i in range(num_layers)],
+        layer_norm=norm)

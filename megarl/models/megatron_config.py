@@ -9,7 +9,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import _grad_accum_fusion_available
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megarl.models.hf_config import ModelArch
 from megarl.parallel_state import device_choice
@@ -58,10 +58,14 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
                        aux_loss_coeff: float = None, use_te: bool = False,
                        **overrides) -> TransformerConfig:
     """Build the TransformerConfig; `overrides` are TransformerConfig fields set last."""
+    dense_layers = not arch.num_experts or arch.first_dense_layers
     dims.check_model(num_layers=arch.num_layers, num_heads=arch.num_heads,
                      num_kv_heads=arch.num_kv_heads, num_experts=arch.num_experts,
-                     ffn_hidden=0 if arch.num_experts else arch.ffn_hidden_size,
+                     ffn_hidden=arch.ffn_hidden_size if dense_layers else 0,
                      moe_ffn_hidden=arch.moe_ffn_hidden_size)
+    if arch.shared_expert_ffn % dims.tp:
+        raise ValueError(f"the shared experts' width n_shared_experts * moe_intermediate_size = "
+                         f"{arch.shared_expert_ffn} must be divisible by tp({dims.tp})")
     dtype = dtype or arch.torch_dtype
     on_gpu = device_choice.on_gpu()
     moe = {}
@@ -79,6 +83,7 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
             # Router logits and top-k in fp32 (model.router_fp32 can turn it off), as the MoE RL
             # anchors run it: bf16 logits tie and flip experts between rollout and update.
             moe_router_dtype="fp32",
+            **deepseek_routing(arch),
         )
     fields = dict(
         num_layers=arch.num_layers,
@@ -114,8 +119,50 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
         cp_comm_type="p2p" if use_te and dims.cp > 1 else None,
         **moe,
     )
+    config_class = TransformerConfig
+    if arch.mla:
+        config_class = MLATransformerConfig
+        fields.update(mla_fields(arch))
     fields.update(overrides)
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(config_class)}
     if unknown:
-        raise ValueError(f"unknown TransformerConfig fields {sorted(unknown)}")
-    return TransformerConfig(**fields)
+        raise ValueError(f"unknown {config_class.__name__} fields {sorted(unknown)}")
+    return config_class(**fields)
+
+
+def deepseek_routing(arch: ModelArch) -> dict:
+    """Pure: DeepSeek-style routing (sigmoid + expert bias, groups, scaling, shared experts,
+    dense first layers); nothing for softmax-routed families."""
+    if arch.moe_score != "sigmoid":
+        return {}
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=arch.moe_expert_bias,
+        moe_router_num_groups=arch.moe_groups or None,
+        moe_router_group_topk=arch.moe_group_topk or None,
+        moe_router_topk_scaling_factor=arch.moe_scaling,
+        moe_shared_expert_intermediate_size=arch.shared_expert_ffn or None,
+        moe_layer_freq=[int(arch.is_moe_layer(layer)) for layer in range(arch.num_layers)],
+    )
+
+
+def mla_fields(arch: ModelArch) -> dict:
+    """Pure: multi-latent attention's shapes and RoPE (YaRN when the checkpoint scales it)."""
+    yarn = arch.yarn_factor != 1.0
+    return dict(
+        q_lora_rank=arch.q_lora_rank or None,
+        kv_lora_rank=arch.kv_lora_rank,
+        qk_head_dim=arch.head_dim,
+        qk_pos_emb_head_dim=arch.qk_rope_dim,
+        v_head_dim=arch.v_head_dim,
+        rope_type="yarn" if yarn else "rope",
+        rotary_base=arch.rope_theta,
+        # Also the softmax scale's mscale: 1 leaves plain RoPE's 1/sqrt(d) alone.
+        rotary_scaling_factor=arch.yarn_factor,
+        original_max_position_embeddings=arch.yarn_original_max_positions or
+        arch.max_position_embeddings,
+        beta_fast=arch.yarn_beta_fast,
+        beta_slow=arch.yarn_beta_slow,
+        mscale=arch.yarn_mscale,
+        mscale_all_dim=arch.yarn_mscale_all_dim,
+    )

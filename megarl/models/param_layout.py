@@ -23,6 +23,10 @@ from megarl.parallel_state import megatron_groups
 _TE_NAMES = (
     (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
     (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+    (re.compile(r"self_attention\.linear_q_up_proj\.layer_norm_weight$"),
+     "self_attention.q_layernorm.weight"),
+    (re.compile(r"self_attention\.linear_kv_up_proj\.layer_norm_weight$"),
+     "self_attention.kv_layernorm.weight"),
     (re.compile(r"mlp\.experts\.linear_fc(\d)\.weight(\d+)$"),
      r"mlp.experts.local_experts.\2.linear_fc\1.weight"),
 )
@@ -85,6 +89,26 @@ def _tp_dim(module: torch.nn.Module, param_name: str) -> Optional[int]:
     if mode == "row" and param_name.startswith("weight"):
         return 1
     return None
+
+
+# Buffers that are part of the model's weights although no gradient trains them: the router's
+# expert bias of aux-loss-free balancing (updated from token counts, and used by vLLM's routing).
+WEIGHT_BUFFERS = re.compile(r"\.router\.expert_bias$")
+
+
+def weight_slots(chunks: List[torch.nn.Module]) -> List[Tuple[ParamSlot, torch.Tensor]]:
+    """Every tensor a checkpoint or the rollout engine holds: the parameters, then the weight
+    buffers (WEIGHT_BUFFERS), each with its slot."""
+    slots = param_slots(chunks)
+    ep_rank = megatron_groups.expert().rank
+    for chunk in chunks:
+        num_local = (chunk.config.num_moe_experts or 0) // megatron_groups.expert().size
+        for name, buffer in chunk.named_buffers():
+            if WEIGHT_BUFFERS.search(name):
+                slots.append((ParamSlot(canonical=_canonical(chunk, name, num_local, ep_rank),
+                                        tp_dim=None, tp_rank=megatron_groups.tensor().rank,
+                                        tp_size=megatron_groups.tensor().size, glu=False), buffer))
+    return slots
 
 
 def param_slots(chunks: List[torch.nn.Module]) -> List[Tuple[ParamSlot, torch.nn.Parameter]]:

@@ -79,7 +79,9 @@ class PortableCoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None):
+                 pg_collection=None, k_channels=None, v_channels=None):
+        # k_channels / v_channels: MLA's query-key and value head widths differ; the shapes of
+        # the inputs carry them, and MLA passes its own softmax_scale.
         super().__init__(config=config)
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)

@@ -24,7 +24,8 @@ class Row:
     megatron: str
     hf: Tuple[str, ...]
     transform: str = "copy"  # copy | qkv | gate_up | vocab
-    when: str = "always"     # always | untied | qkv_bias | qk_norm
+    when: str = "always"     # always | untied | qkv_bias | qk_norm | q_lora | no_q_lora
+    layers: str = "all"      # all | dense | moe: which layers have it (DeepSeek's first are dense)
 
 
 _EMBED = Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")
@@ -46,25 +47,59 @@ _ATTENTION = [
     Row(LAYER + "self_attention.linear_proj.weight", ("model.layers.{layer}.self_attn.o_proj.weight",)),
     Row(LAYER + "pre_mlp_layernorm.weight", ("model.layers.{layer}.post_attention_layernorm.weight",)),
 ]
+_ATTN = "model.layers.{layer}.self_attn."
+# DeepSeek's multi-latent attention: low-rank q (or one q_proj), the joint KV latent with the
+# shared RoPE key, and their norms. The row layouts of HF and Megatron agree (per head
+# [no-RoPE dims, RoPE dims] in q, [k no-RoPE, v] in kv_b), so every row copies.
+_MLA_ATTENTION = [
+    Row(LAYER + "input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",)),
+    Row(LAYER + "self_attention.linear_q_down_proj.weight", (_ATTN + "q_a_proj.weight",), when="q_lora"),
+    Row(LAYER + "self_attention.q_layernorm.weight", (_ATTN + "q_a_layernorm.weight",), when="q_lora"),
+    Row(LAYER + "self_attention.linear_q_up_proj.weight", (_ATTN + "q_b_proj.weight",), when="q_lora"),
+    Row(LAYER + "self_attention.linear_q_proj.weight", (_ATTN + "q_proj.weight",), when="no_q_lora"),
+    Row(LAYER + "self_attention.linear_kv_down_proj.weight", (_ATTN + "kv_a_proj_with_mqa.weight",)),
+    Row(LAYER + "self_attention.kv_layernorm.weight", (_ATTN + "kv_a_layernorm.weight",)),
+    Row(LAYER + "self_attention.linear_kv_up_proj.weight", (_ATTN + "kv_b_proj.weight",)),
+    Row(LAYER + "self_attention.linear_proj.weight", (_ATTN + "o_proj.weight",)),
+    Row(LAYER + "pre_mlp_layernorm.weight", ("model.layers.{layer}.post_attention_layernorm.weight",)),
+]
 _DENSE_MLP = [
     Row(LAYER + "mlp.linear_fc1.weight", ("model.layers.{layer}.mlp.gate_proj.weight",
-                                          "model.layers.{layer}.mlp.up_proj.weight"), "gate_up"),
-    Row(LAYER + "mlp.linear_fc2.weight", ("model.layers.{layer}.mlp.down_proj.weight",)),
+                                          "model.layers.{layer}.mlp.up_proj.weight"), "gate_up",
+        layers="dense"),
+    Row(LAYER + "mlp.linear_fc2.weight", ("model.layers.{layer}.mlp.down_proj.weight",),
+        layers="dense"),
 ]
-_QWEN3_MOE_MLP = [
-    Row(LAYER + "mlp.router.weight", ("model.layers.{layer}.mlp.gate.weight",)),
+_EXPERTS = [
     Row(EXPERT + "linear_fc1.weight", ("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
                                        "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"),
-        "gate_up"),
-    Row(EXPERT + "linear_fc2.weight", ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",)),
+        "gate_up", layers="moe"),
+    Row(EXPERT + "linear_fc2.weight", ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",),
+        layers="moe"),
+]
+_ROUTER = Row(LAYER + "mlp.router.weight", ("model.layers.{layer}.mlp.gate.weight",), layers="moe")
+_QWEN3_MOE_MLP = [_ROUTER, *_EXPERTS]
+# DeepSeek-style MoE layers: the router's expert bias (a buffer in both, trained by token
+# counts) and the shared experts beside the routed ones.
+_DEEPSEEK_MOE_MLP = [
+    _ROUTER,
+    Row(LAYER + "mlp.router.expert_bias", ("model.layers.{layer}.mlp.gate.e_score_correction_bias",),
+        layers="moe"),
+    Row(LAYER + "mlp.shared_experts.linear_fc1.weight",
+        ("model.layers.{layer}.mlp.shared_experts.gate_proj.weight",
+         "model.layers.{layer}.mlp.shared_experts.up_proj.weight"), "gate_up", layers="moe"),
+    Row(LAYER + "mlp.shared_experts.linear_fc2.weight",
+        ("model.layers.{layer}.mlp.shared_experts.down_proj.weight",), layers="moe"),
+    *_EXPERTS,
 ]
 _MIXTRAL_MLP = [
-    Row(LAYER + "mlp.router.weight", ("model.layers.{layer}.block_sparse_moe.gate.weight",)),
+    Row(LAYER + "mlp.router.weight", ("model.layers.{layer}.block_sparse_moe.gate.weight",),
+        layers="moe"),
     Row(EXPERT + "linear_fc1.weight", ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
                                        "model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight"),
-        "gate_up"),
+        "gate_up", layers="moe"),
     Row(EXPERT + "linear_fc2.weight",
-        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",)),
+        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",), layers="moe"),
 ]
 
 TABLES: Dict[str, List[Row]] = {
@@ -73,6 +108,8 @@ TABLES: Dict[str, List[Row]] = {
     "qwen3": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
     "qwen3_moe": [_EMBED, *_ATTENTION, *_QWEN3_MOE_MLP, *_FINAL],
     "mixtral": [_EMBED, *_ATTENTION, *_MIXTRAL_MLP, *_FINAL],
+    "glm4_moe": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_DEEPSEEK_MOE_MLP, *_FINAL],
+    "deepseek_v3": [_EMBED, *_MLA_ATTENTION, *_DENSE_MLP, *_DEEPSEEK_MOE_MLP, *_FINAL],
 }
 
 # The critic's head has no counterpart in a causal-LM checkpoint; HF token-classification value
@@ -82,7 +119,12 @@ VALUE_HEAD = Row("output_layer.weight", ("score.weight",))
 
 def _applies(row: Row, arch: ModelArch) -> bool:
     return {"always": True, "untied": not arch.tie_embeddings, "qkv_bias": arch.qkv_bias,
-            "qk_norm": arch.qk_norm}[row.when]
+            "qk_norm": arch.qk_norm, "q_lora": arch.q_lora_rank > 0,
+            "no_q_lora": arch.q_lora_rank == 0}[row.when]
+
+
+def _in_layer(row: Row, arch: ModelArch, layer: int) -> bool:
+    return row.layers == "all" or (row.layers == "moe") == arch.is_moe_layer(layer)
 
 
 def rows(arch: ModelArch, role: str = "policy") -> List[Row]:
@@ -119,8 +161,8 @@ def entries(arch: ModelArch, role: str = "policy") -> Iterator[Entry]:
     layer_rows = [table[i] for i in per_layer if "{expert}" not in table[i].megatron]
     expert_rows = [table[i] for i in per_layer if "{expert}" in table[i].megatron]
     for layer in range(arch.num_layers):
-        yield from (_entry(row, layer) for row in layer_rows)
-        for expert in range(arch.num_experts if expert_rows else 0):
+        yield from (_entry(row, layer) for row in layer_rows if _in_layer(row, arch, layer))
+        for expert in range(arch.num_experts if arch.is_moe_layer(layer) else 0):
             yield from (_entry(row, layer, expert) for row in expert_rows)
     yield from (_entry(row) for row in table[per_layer[-1] + 1:])
 
@@ -150,7 +192,7 @@ def entry_for(arch: ModelArch, megatron_name: str, role: str = "policy") -> Entr
     if expert is not None:
         template = EXPERT.format(layer="{layer}", expert="{expert}") + megatron_name[match.end():]
     for row in rows(arch, role):
-        if row.megatron == template:
+        if row.megatron == template and (layer is None or _in_layer(row, arch, int(layer))):
             return Entry(megatron_name,
                          tuple(h.format(layer=layer, expert=expert) for h in row.hf),
                          row.transform)

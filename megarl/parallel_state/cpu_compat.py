@@ -162,6 +162,8 @@ _PATCHED_MODULES = (
     "megatron.core.tensor_parallel.random",
     "megatron.core.tensor_parallel.cross_entropy",
     "megatron.core.transformer.attention",
+    "megatron.core.transformer.multi_latent_attention",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.transformer_block",
     "megatron.core.transformer.utils",
@@ -228,6 +230,13 @@ def install() -> None:
         distrib._build_model_and_main_param_groups))
     optimizer = sys.modules["megatron.core.optimizer.optimizer"]
     optimizer.clip_grad_by_total_norm_fp32 = _types_read_as_cuda(optimizer.clip_grad_by_total_norm_fp32)
+    # Without Transformer Engine, megatron.core.extensions.transformer_engine still imports and
+    # hands out stand-in classes; MLA would then take them for TE's linears.
+    mla = sys.modules["megatron.core.transformer.multi_latent_attention"]
+    mla.HAVE_TE = False
+    # ...and it knows the replicated linear the portable spec uses for MLA's down projections
+    # (layer_spec.py) only when that import worked.
+    mla.Linear = importlib.import_module("megatron.core.post_training.modelopt.layers").Linear
     random = sys.modules["megatron.core.tensor_parallel.random"]
     random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

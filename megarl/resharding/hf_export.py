@@ -4,7 +4,8 @@ The export is a weight sync into files: `HFDirectoryWriter` takes the place of t
 in megarl.resharding.sync_weights with the "hf" layout (rank 0 holds every HF tensor whole), so
 the same plan and transport bring each bucket's tensors to rank 0, which writes them as one
 safetensors file (memory: one bucket, as in a sync).
-Writes into OUT.partial and renames it when the index, config and tokenizer files are in place.
+Writes into OUT.partial and renames it when the index, config and tokenizer files (and the
+untrained MTP layers, copied from the source checkpoint: mtp_weights.py) are in place.
 Does not own the Megatron-checkpoint path (convert.py) or choosing when to export (the loop).
 """
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from megarl.models import mtp_weights
 from megarl.models.checkpoint import TOKENIZER_FILES
 from megarl.models.hf_config import ModelArch
 from megarl.resharding.sync import sync_weights
@@ -26,8 +28,10 @@ from megarl.rollout.engine import WeightLayout, WeightUpdateReport
 class HFDirectoryWriter:
     """The RolloutEngine surface sync_weights uses, writing HF files instead of loading them."""
 
-    def __init__(self, out_dir: str, hf_config: dict, assets_dir: str, dtype: torch.dtype):
+    def __init__(self, out_dir: str, hf_config: dict, assets_dir: str, dtype: torch.dtype,
+                 arch: ModelArch):
         self.out_dir, self.hf_config, self.assets_dir, self.dtype = out_dir, hf_config, assets_dir, dtype
+        self.arch = arch
         self.partial = out_dir.rstrip("/") + ".partial"
         self.writer = dist.get_rank() == 0
         self.weight_map = {}
@@ -57,6 +61,7 @@ class HFDirectoryWriter:
         # The plan refuses to run unless it covers every tensor the architecture has, so what
         # was written is complete by construction.
         if self.writer:
+            self.weight_map.update(mtp_weights.restore(self.arch, self.assets_dir, self.partial))
             total = sum(os.path.getsize(os.path.join(self.partial, f)) for f in set(self.weight_map.values()))
             with open(os.path.join(self.partial, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": self.weight_map}, f,
@@ -76,6 +81,6 @@ def export_hf(chunks: List[torch.nn.Module], arch: ModelArch, hf_config: dict, t
               out_dir: str) -> str:
     """Collective: write the model held by `chunks` to `out_dir` in HF format."""
     dtype = next(chunks[0].parameters()).dtype
-    sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir, dtype))
+    sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir, dtype, arch))
     dist.barrier()
     return out_dir

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch
-from megarl.models.param_layout import param_slots
+from megarl.models.param_layout import weight_slots
 from megarl.resharding.plan import Piece
 
 
@@ -22,7 +22,7 @@ def local_pieces(chunks: List[torch.nn.Module], arch: ModelArch,
     (the last stage's copy of the embedding) is left out: the embedding itself is sent."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     pieces, tensors = [], {}
-    for slot, param in param_slots(chunks):
+    for slot, param in weight_slots(chunks):
         if weight_tables.entry_of(arch, slot.canonical, role).megatron != slot.canonical:
             continue
         tensor = param.detach()
