@@ -13,7 +13,7 @@ import torch
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS
 from tests.launch import run
 
-DENSE, MOE = "qwen3", "qwen3_moe"
+DENSE, MOE, DEEPSEEK = "qwen3", "qwen3_moe", "deepseek_v3"
 ALGO = {"policy_loss": "gspo", "aggregation": "seq-mean-token-mean", "kl_loss_coeff": 0.1,
         "entropy_coeff": 0.01, "tis_cap": 2.0, "eps_clip_high": 0.28}
 STEPS = {"mini_batch_size": 4, "epochs": 2, "shuffle_seed": 1}
@@ -27,14 +27,18 @@ CASES = {
     "moe": (MOE, {}, {}),
     "moe_replay": (MOE, {}, REPLAY),
     "dense_unclipped": (DENSE, {}, {"optim": {"clip_grad": 0.0}}),
+    # MLA, shared experts, sigmoid routing whose expert bias Megatron updates from the token
+    # counts at each optimizer step (all-reduced over TP x DP): the bias must move identically.
+    "deepseek": (DEEPSEEK, {}, {}),
 }
 # layout name -> (nproc, ParallelDims fields, case -> batching used at that layout)
 LAYOUTS = {
     "single": (1, {}, {"dense": {}, "dense_tokens": {"micro_batch_tokens": 64}, "dense_algo": STEPS,
-                       "moe": {}, "moe_replay": {}, "dense_unclipped": {}}),
-    "tp2": (2, {"tp": 2}, {"dense": {}, "moe_replay": {"micro_batch_tokens": 96}}),
+                       "moe": {}, "moe_replay": {}, "dense_unclipped": {}, "deepseek": {}}),
+    "tp2": (2, {"tp": 2}, {"dense": {}, "moe_replay": {"micro_batch_tokens": 96},
+                           "deepseek": {"micro_batch_tokens": 96}}),
     "pp2": (2, {"pp": 2}, {"dense": {"micro_batches": 3}, "moe": {"micro_batch_tokens": 96}}),
-    "ep2": (2, {"ep": 2}, {"moe": {"micro_batch_tokens": 96}, "moe_replay": {}}),
+    "ep2": (2, {"ep": 2}, {"moe": {"micro_batch_tokens": 96}, "moe_replay": {}, "deepseek": {}}),
     "dp2": (2, {}, {"dense": {"micro_batch_tokens": 96}, "dense_algo": STEPS, "dense_unclipped": {}}),
     "cp2": (2, {"cp": 2}, {"dense": {}, "dense_algo": STEPS}),
     "tp2pp2": (4, {"tp": 2, "pp": 2}, {"dense": {"micro_batches": 2}, "moe": {"micro_batches": 2}}),

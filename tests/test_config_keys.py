@@ -11,7 +11,7 @@ from megarl.trainer.config import LayoutConfig, RunConfig
 
 KEYS = [
     "run_dir", "steps", "seed", "offload_params", "collective_timeout_s",
-    "model.hf_dir", "model.megatron_dir", "model.router_fp32",
+    "model.hf_dir", "model.megatron_dir", "model.router_fp32", "model.expert_bias_update_rate",
     "data.path", "data.prompt_key", "data.answer_key", "data.max_prompt_len", "data.overlong_prompts",
     "data.prompts_per_step", "data.seed",
     "layout.world_size", "layout.tp", "layout.pp", "layout.cp", "layout.ep", "layout.etp", "layout.vpp",

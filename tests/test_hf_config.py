@@ -67,3 +67,53 @@ def test_renormalized_top1_routing_is_refused():
 def test_qwen2_head_dim_must_follow_hidden_size():
     with pytest.raises(ValueError, match="head_dim=32"):
         arch_from_hf_config(dict(BASE, architectures=["Qwen2ForCausalLM"], head_dim=32))
+
+
+def test_published_deepseek_v3_and_glm45_air_configs():
+    from tests.published_configs import DEEPSEEK_V3, GLM45_AIR
+
+    ds = arch_from_hf_config(DEEPSEEK_V3)
+    assert (ds.family, ds.mla, ds.q_lora_rank, ds.kv_lora_rank, ds.qk_rope_dim, ds.head_dim,
+            ds.v_head_dim) == ("deepseek_v3", True, 1536, 512, 64, 128, 128)
+    assert (ds.moe_score, ds.moe_expert_bias, ds.moe_groups, ds.moe_group_topk, ds.moe_scaling) == \
+        ("sigmoid", True, 8, 4, 2.5)
+    assert (ds.first_dense_layers, ds.shared_expert_ffn, ds.mtp_layers) == (3, 2048, 1)
+    assert (ds.yarn_factor, ds.yarn_original_max_positions, ds.yarn_mscale_all_dim) == (40, 4096, 1.0)
+    assert not ds.is_moe_layer(2) and ds.is_moe_layer(3)
+    glm = arch_from_hf_config(GLM45_AIR)
+    assert (glm.family, glm.rotary_percent, glm.qkv_bias, glm.qk_norm, glm.mla) == \
+        ("glm4_moe", 0.5, True, False, False)
+    # one group of experts is no group limit at all
+    assert (glm.moe_groups, glm.moe_group_topk, glm.first_dense_layers) == (0, 0, 1)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("scoring_func", "softmax", r"scoring_func='softmax': megarl supports 'sigmoid'"),
+    ("topk_method", "greedy", r"topk_method='greedy': megarl supports 'noaux_tc'"),
+    ("norm_topk_prob", False, r"norm_topk_prob=False: megarl supports True"),
+    ("topk_group", 3, r"topk_group=3: megarl supports num_experts_per_tok / 2 = 4 when n_group=8"),
+    ("n_shared_experts", 0, r"n_shared_experts=0: megarl supports 1 or more"),
+    ("first_k_dense_replace", 61, r"first_k_dense_replace=61: megarl supports fewer dense layers"),
+    ("quantization_config", {"quant_method": "fp8"}, r"quantization_config='fp8'.*dequantize"),
+    ("rope_interleave", False, r"rope_interleave=False: megarl supports True"),
+    ("rope_scaling", {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                      "mscale": 0.707}, r"rope_scaling.mscale=0.707: megarl supports 1.0 unless"),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}, r"rope_type='linear': megarl supports "
+                                                        r"'default' or 'yarn'"),
+])
+def test_deepseek_fields_megarl_cannot_honour_are_refused_by_name(field, value, message):
+    from tests.published_configs import DEEPSEEK_V3
+
+    with pytest.raises(ValueError, match=message):
+        arch_from_hf_config({**DEEPSEEK_V3, field: value})
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("partial_rotary_factor", 0.3, r"partial_rotary_factor=0.3: megarl supports a factor giving an even"),
+    ("rope_scaling", {"type": "yarn", "factor": 4.0}, r"rope_type='yarn': megarl supports 'default' RoPE"),
+])
+def test_glm45_fields_megarl_cannot_honour_are_refused_by_name(field, value, message):
+    from tests.published_configs import GLM45_AIR
+
+    with pytest.raises(ValueError, match=message):
+        arch_from_hf_config({**GLM45_AIR, field: value})

@@ -18,10 +18,11 @@ from megarl.rollout.vllm_engine import rollout_groups
 from megarl.trainer.config import RunConfig
 from megarl.trainer.preflight import preflight
 from megarl.trainer.typed_config import load
-from tests.published_configs import MIXTRAL_8X7B, QWEN3_30B_A3B
+from tests.published_configs import GLM45_AIR, MIXTRAL_8X7B, QWEN3_30B_A3B
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
-PRESETS = {"qwen3_30b_a3b_gpu.yaml": QWEN3_30B_A3B, "mixtral_8x7b_gpu.yaml": MIXTRAL_8X7B}
+PRESETS = {"qwen3_30b_a3b_gpu.yaml": QWEN3_30B_A3B, "mixtral_8x7b_gpu.yaml": MIXTRAL_8X7B,
+           "glm45_air_gpu.yaml": GLM45_AIR}
 GPUS_PER_NODE = 8  # the hardware the presets' headers name: nodes of 8 H100
 
 

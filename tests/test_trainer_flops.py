@@ -21,9 +21,14 @@ from megarl.trainer.flops import (
     step_flops,
     throughput_metrics,
 )
-from tests.published_configs import MIXTRAL_8X7B, PUBLISHED_ACTIVE_PARAMS, QWEN3_30B_A3B
+from tests.published_configs import (
+    DEEPSEEK_V3,
+    MIXTRAL_8X7B,
+    PUBLISHED_ACTIVE_PARAMS,
+    QWEN3_30B_A3B,
+)
 
-FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]
 
 
 def _hf(hf_dir: str):
@@ -77,7 +82,8 @@ def test_formula_matches_counted_hf_forward(name, hf_models):
                                          + attention_flops(arch, sum_sq))
 
 
-@pytest.mark.parametrize("key,published", [("qwen3_30b_a3b", QWEN3_30B_A3B), ("mixtral_8x7b", MIXTRAL_8X7B)])
+@pytest.mark.parametrize("key,published", [("qwen3_30b_a3b", QWEN3_30B_A3B), ("mixtral_8x7b", MIXTRAL_8X7B),
+                                           ("deepseek_v3", DEEPSEEK_V3)])
 def test_active_parameters_match_the_model_cards(key, published):
     arch = arch_from_hf_config(published)
     with_embedding = matmul_params(arch) + arch.vocab_size * arch.hidden_size

@@ -26,6 +26,13 @@ CASES = {
                                                     "--rollout-tp", "2", "--bucket-mb", "0.25"]),
     "tp2_pp2_into_rollout_tp1": (4, "qwen3", ["--tp", "2", "--pp", "2", "--rollout-tp", "1"]),
     "tp2_pp2_into_rollout_tp2": (4, "llama", ["--tp", "2", "--pp", "2", "--rollout-tp", "2", LOADER]),
+    # DeepSeek-style: expert bias, shared experts, dense first layers; MLA's fused q/kv-a
+    # projection and its derived tensors (W_UK_T, W_UV) remade by vLLM after the sync.
+    "glm45_pp2_into_rollout_tp1": (2, "glm4_moe", ["--pp", "2", "--rollout-tp", "1"]),
+    "glm45_tp2_into_rollout_tp2": (2, "glm4_moe", ["--tp", "2", "--rollout-tp", "2"]),
+    "deepseek_single": (1, "deepseek_v3", []),
+    "deepseek_tp2_ep2_etp1_into_rollout_tp2": (2, "deepseek_v3", ["--tp", "2", "--ep", "2", "--etp", "1",
+                                                                  "--rollout-tp", "2"]),
 }
 
 

@@ -82,6 +82,7 @@ class PackedMicroBatch:
     local_index: torch.Tensor  # [t/cp] long, pack positions held by this CP rank
     tokens: torch.Tensor  # [1, t/cp] input ids at local_index
     targets: torch.Tensor  # [1, t/cp] the next token of the same sequence (0 where none)
+    padding: torch.Tensor  # [1, t/cp] bool, True at padding positions (no sequence's token)
 
     @property
     def max_seqlen(self) -> int:
@@ -101,13 +102,16 @@ def pack(tokens: torch.Tensor,  # [N, L] right-padded
     cu_padded = torch.tensor([0] + padded).cumsum(0).to(torch.int32)
     full = torch.zeros(int(cu_padded[-1]), dtype=torch.long)
     targets = torch.zeros_like(full)
+    padding = torch.ones_like(full, dtype=torch.bool)
     for row, start, n in zip(rows, cu_padded[:-1].tolist(), lens):
         full[start:start + n] = tokens[row, :n]
         targets[start:start + n - 1] = tokens[row, 1:n]
+        padding[start:start + n] = False
     local = local_positions(cu_padded, cp, cp_rank)
     return PackedMicroBatch(rows=torch.tensor(rows), lengths=torch.tensor(lens), cu_seqlens=cu,
                             cu_seqlens_padded=cu_padded, local_index=local,
-                            tokens=full[local][None], targets=targets[local][None])
+                            tokens=full[local][None], targets=targets[local][None],
+                            padding=padding[local][None])
 
 
 def local_positions(cu_seqlens_padded: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:

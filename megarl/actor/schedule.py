@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_attr_wrapped_model
 
 from megarl.actor.packing import PackedMicroBatch, local_positions
+from megarl.models import expert_bias
 from megarl.models.portable_layers import gather_from_context_parallel
 from megarl.parallel_state import megatron_groups
 
@@ -23,6 +25,16 @@ def packed_seq_params(mb: PackedMicroBatch, device) -> PackedSeqParams:
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
                            max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+
+
+def router_padding(chunk: torch.nn.Module, mb: PackedMicroBatch, device) -> torch.Tensor:
+    """The pack's padding at the tokens this rank's routers see: this CP rank's, then, under
+    sequence parallelism, this TP rank's contiguous share of them."""
+    padding = mb.padding[0].to(device)
+    tp = megatron_groups.tensor()
+    if get_attr_wrapped_model(chunk, "config").sequence_parallel:
+        padding = padding.chunk(tp.size)[tp.rank]
+    return padding
 
 
 def forward_only_result(output: torch.Tensor, **reported: torch.Tensor) -> tuple:
@@ -44,6 +56,7 @@ def run_micro_batches(model: List[torch.nn.Module], micro_batches: List[PackedMi
         mb = next(data_iterator)
 
         def forward():
+            expert_bias.set_padding(chunk, router_padding(chunk, mb, device))
             return chunk(mb.tokens.to(device), None, None,
                          packed_seq_params=packed_seq_params(mb, device))
 

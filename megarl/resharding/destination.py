@@ -87,12 +87,36 @@ class RolloutLayout:
         return max(self.tp, self.ep)
 
 
+# Multi-latent attention (DeepSeek): vLLM splits these over its TP ranks by whole heads, as
+# Megatron's column-parallel linears do; the down projections are replicated, and with a low-rank
+# q vLLM fuses them into one `fused_qkv_a_proj` (q_a rows, then kv_a rows).
+MLA_HEAD_SPLIT = ("linear_q_up_proj.weight", "linear_q_proj.weight", "linear_kv_up_proj.weight")
+_MLA_DOWN = {"linear_q_down_proj.weight": "q_a_proj", "linear_kv_down_proj.weight": "kv_a_proj_with_mqa"}
+
+
+def _mla_shape(arch: ModelArch, canonical: str) -> Optional[Tuple[int, ...]]:
+    h, heads, d, rope = arch.hidden_size, arch.num_heads, arch.head_dim, arch.qk_rope_dim
+    table = (("linear_q_down_proj.weight", (arch.q_lora_rank, h)),
+             ("linear_kv_down_proj.weight", (arch.kv_lora_rank + rope, h)),
+             ("linear_q_up_proj.weight", (heads * (d + rope), arch.q_lora_rank)),
+             ("linear_q_proj.weight", (heads * (d + rope), h)),
+             ("linear_kv_up_proj.weight", (heads * (d + arch.v_head_dim), arch.kv_lora_rank)),
+             ("self_attention.linear_proj.weight", (h, heads * arch.v_head_dim)),
+             ("q_layernorm.weight", (arch.q_lora_rank,)), ("kv_layernorm.weight", (arch.kv_lora_rank,)))
+    return next((shape for suffix, shape in table if canonical.endswith(suffix)), None)
+
+
 def full_shape(arch: ModelArch, canonical: str) -> Tuple[int, ...]:
     """Shape of one full Megatron tensor, vocabulary unpadded (regions never reach padding)."""
+    if arch.mla and (shape := _mla_shape(arch, canonical)) is not None:
+        return shape
     h, d = arch.hidden_size, arch.head_dim
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
     ffn = arch.moe_ffn_hidden_size if ".experts." in canonical else arch.ffn_hidden_size
+    if ".shared_experts." in canonical:
+        ffn = arch.shared_expert_ffn
     table = (("word_embeddings.weight", (arch.vocab_size, h)), ("output_layer.weight", (arch.vocab_size, h)),
+             ("router.expert_bias", (arch.num_experts,)),
              ("linear_qkv.weight", (qkv, h)), ("linear_qkv.bias", (qkv,)),
              ("linear_proj.weight", (h, arch.num_heads * d)), ("layernorm.weight", None),
              ("linear_fc1.weight", (2 * ffn, h)), ("linear_fc2.weight", (h, ffn)),
@@ -197,6 +221,15 @@ def vllm_rank_tensors(arch: ModelArch, rollout: RolloutLayout, p: int,
                     [Region(c, 0, u * w, w, 0, local), Region(c, 0, width + u * w, w, w, local)])
             else:
                 add(module + ".w2_weight", (experts_here, shape[0], w), [Region(c, 1, u * w, w, 0, local)])
+        elif c.endswith(tuple(_MLA_DOWN)) and arch.q_lora_rank:
+            q_rows = arch.q_lora_rank
+            fused = (q_rows + arch.kv_lora_rank + arch.qk_rope_dim, shape[1])
+            dst = 0 if c.endswith("linear_q_down_proj.weight") else q_rows
+            add(entry.hf[0].replace(_MLA_DOWN[c[c.rindex("linear_"):]], "fused_qkv_a_proj"), fused,
+                [Region(c, 0, 0, shape[0], dst)])
+        elif c.endswith(MLA_HEAD_SPLIT):
+            rows = shape[0] // tp
+            add(_vllm_name(entry), (rows, shape[1]), [Region(c, 0, t * rows, rows, 0)])
         elif entry.transform == "gate_up":
             f = shape[0] // 2 // tp
             add(_vllm_name(entry), (2 * f, shape[1]),
@@ -252,8 +285,12 @@ def check_rollout(arch: ModelArch, rollout: RolloutLayout, world: int) -> None:
     if arch.num_kv_heads % rollout.tp and rollout.tp % arch.num_kv_heads:
         problems.append(f"rollout tp {rollout.tp} must divide the {arch.num_kv_heads} KV heads or "
                         "be a multiple of them (vLLM then replicates each KV head)")
-    if not arch.num_experts and arch.ffn_hidden_size % rollout.tp:  # MoE families: every layer MoE
+    dense_layers = not arch.num_experts or arch.first_dense_layers
+    if dense_layers and arch.ffn_hidden_size % rollout.tp:
         problems.append(f"rollout tp {rollout.tp} must divide intermediate_size {arch.ffn_hidden_size}")
+    if arch.shared_expert_ffn % rollout.tp:
+        problems.append(f"rollout tp {rollout.tp} must divide the shared experts' width "
+                        f"{arch.shared_expert_ffn}")
     if arch.num_experts and rollout.ep > 1 and arch.num_experts % rollout.ep:
         problems.append(f"rollout ep {rollout.ep} must divide the {arch.num_experts} experts")
     if arch.num_experts and rollout.ep == 1 and arch.moe_ffn_hidden_size % rollout.tp:

@@ -34,6 +34,9 @@ class InPlaceWriter:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
+        # Tensors vLLM derives while processing (MLA's W_UK_T and W_UV, from kv_b_proj) are gone
+        # during a reload and made again when it finishes: nothing loads them.
+        self.names = [name for name in self.names if self._loaded_at_load_time(name)]
         shapes = {name: tuple(self._load_shape(name)) for name in self.names}
         missing = sorted(set(shapes) - set(expected))
         unexpected = sorted(set(expected) - set(shapes))
@@ -47,6 +50,11 @@ class InPlaceWriter:
                              "megarl.resharding.destination encodes vLLM's layouts: update it for "
                              "this vLLM version or model family")
         self.written = set()
+
+    def _loaded_at_load_time(self, name: str) -> bool:
+        module, _, param = name.rpartition(".")
+        layer = self.model.get_submodule(module)
+        return param in self._info(layer).restore_metadata[0] or hasattr(layer, param)
 
     def _load_shape(self, name: str) -> torch.Size:
         module, _, param = name.rpartition(".")

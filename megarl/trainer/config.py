@@ -19,14 +19,23 @@ class ModelConfig:
     hf_dir: str = ""  # HF checkpoint: architecture, tokenizer, initial weights of actor and critic
     megatron_dir: Optional[str] = None  # optional dist checkpoint of the actor (faster to load)
     router_fp32: bool = True  # a MoE router's logits and top-k in fp32 (False: the model's dtype)
+    # DeepSeek-style routers (GLM-4.5, DeepSeek-V3): how far each optimizer step moves the
+    # aux-loss-free expert bias toward even loads (Megatron's update; 0 freezes the bias).
+    expert_bias_update_rate: float = 1e-3
 
     def __post_init__(self):
         if not self.hf_dir:
             raise ValueError("model.hf_dir is required (an HF checkpoint folder)")
+        if self.expert_bias_update_rate < 0:
+            raise ValueError(f"model.expert_bias_update_rate={self.expert_bias_update_rate} must be "
+                             ">= 0 (0 keeps the checkpoint's expert bias)")
 
     def transformer_overrides(self) -> dict:
         """TransformerConfig fields this section changes from megarl's defaults."""
-        return {} if self.router_fp32 else {"moe_router_dtype": None}
+        overrides = {"moe_router_bias_update_rate": self.expert_bias_update_rate}
+        if not self.router_fp32:
+            overrides["moe_router_dtype"] = None
+        return overrides
 
 
 @dataclass(frozen=True)

@@ -49,26 +49,41 @@ PEAK_FLOPS = {
 }
 
 
+def _attention_params(arch: ModelArch) -> int:
+    hidden, heads = arch.hidden_size, arch.num_heads
+    if arch.mla:  # low-rank q (or one q projection), the KV latent and its up-projection, output
+        q_head = arch.head_dim + arch.qk_rope_dim
+        q = (hidden * arch.q_lora_rank + arch.q_lora_rank * heads * q_head if arch.q_lora_rank
+             else hidden * heads * q_head)
+        kv = hidden * (arch.kv_lora_rank + arch.qk_rope_dim) + \
+            arch.kv_lora_rank * heads * (arch.head_dim + arch.v_head_dim)
+        return q + kv + heads * arch.v_head_dim * hidden
+    q_width, kv_width = heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return hidden * (q_width + 2 * kv_width) + q_width * hidden  # q, k, v in; output out
+
+
 def matmul_params(arch: ModelArch, head: str = "lm") -> int:
     """Weights one token is multiplied by in a forward: the "active parameters" of the formula.
-    No supported family has shared experts; they would add 3 * hidden * their width per layer."""
+    A MoE layer counts its router, its top-k routed experts and its shared experts; the dense
+    first layers of DeepSeek-style models their own MLP."""
     outputs = {"lm": arch.vocab_size, "value": 1}  # the policy's vocabulary; the critic's value
     if head not in outputs:
         raise ValueError(f"head={head!r}; choose one of {sorted(outputs)}")
     hidden = arch.hidden_size
-    q_width, kv_width = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    attention = hidden * (q_width + 2 * kv_width) + q_width * hidden  # q, k, v in; output out
-    if arch.num_experts:
-        mlp = hidden * arch.num_experts + arch.moe_topk * 3 * hidden * arch.moe_ffn_hidden_size
-    else:
-        mlp = 3 * hidden * arch.ffn_hidden_size  # SwiGLU: gate, up, down
-    return arch.num_layers * (attention + mlp) + hidden * outputs[head]
+    dense_mlp = 3 * hidden * arch.ffn_hidden_size  # SwiGLU: gate, up, down
+    moe_mlp = (hidden * arch.num_experts + arch.moe_topk * 3 * hidden * arch.moe_ffn_hidden_size
+               + 3 * hidden * arch.shared_expert_ffn)
+    mlp = sum(moe_mlp if arch.is_moe_layer(layer) else dense_mlp for layer in range(arch.num_layers))
+    return arch.num_layers * _attention_params(arch) + mlp + hidden * outputs[head]
 
 
 def attention_flops(arch: ModelArch, seq_len_sum_sq: int) -> int:
     """Forward FLOPs of the causal attention scores and value sums over packed sequences whose
-    squared lengths sum to `seq_len_sum_sq`."""
-    return 2 * arch.num_layers * arch.num_heads * arch.head_dim * seq_len_sum_sq
+    squared lengths sum to `seq_len_sum_sq`: 2 FLOPs x heads x (query-key width + value width)
+    per (query, key) pair, half of the pairs needed (MLA: q/k heads carry the RoPE dims too)."""
+    qk_dim = arch.head_dim + (arch.qk_rope_dim if arch.mla else 0)
+    v_dim = arch.v_head_dim if arch.mla else arch.head_dim
+    return arch.num_layers * arch.num_heads * (qk_dim + v_dim) * seq_len_sum_sq
 
 
 def forward_flops(arch: ModelArch, tokens: int, seq_len_sum_sq: int, head: str = "lm") -> int:
