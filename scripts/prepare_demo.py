@@ -1,5 +1,6 @@
 """Make the CPU demo's inputs in OUT: the addition task (train.jsonl), its sentencepiece
-tokenizer, a tiny Qwen3-MoE-style HF checkpoint with that tokenizer's vocabulary (OUT/model),
+tokenizer, a tiny HF checkpoint with that tokenizer's vocabulary (OUT/model; Qwen3-MoE-style
+unless --model names another family),
 warm-started, and its Megatron conversion made with the project's converter (OUT/megatron)."""
 
 import argparse
@@ -9,7 +10,7 @@ import subprocess
 import sys
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
-from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
+from megarl.demo.tiny_checkpoint import FAMILIES, make_tiny_checkpoint
 from megarl.trainer import console
 
 
@@ -20,6 +21,8 @@ def main():
     parser.add_argument("--max-operand", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-steps", type=int, default=8, help="warm-start steps (0: random model)")
+    parser.add_argument("--model", default="qwen3_moe", choices=sorted(FAMILIES),
+                        help="the tiny model's family (megarl/demo/tiny_checkpoint.py)")
     parser.add_argument("--verbose", action="store_true", help="print the libraries' output here instead "
                                                                 "of OUT/logs/prepare.log")
     args = parser.parse_args()
@@ -36,7 +39,7 @@ def prepare(args) -> None:
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    make_tiny_checkpoint("qwen3_moe", model_dir, seed=args.seed, vocab_size=len(tokenizer),
+    make_tiny_checkpoint(args.model, model_dir, seed=args.seed, vocab_size=len(tokenizer),
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     nll = warm_start(model_dir, tokenizer, records, args.sft_steps, args.seed)
@@ -65,9 +68,10 @@ def warm_start(model_dir: str, tokenizer, records, steps: int, seed: int):
     from megarl.actor.config import ActorConfig
     from megarl.actor.optimizer import OptimConfig
     from megarl.demo.sft import sft_batch, sft_step
+    from megarl.models import mtp_weights
     from megarl.models.builder import build_model
     from megarl.models.hf_config import arch_from_hf_config
-    from megarl.models.hf_io import gather_hf_tensors, load_hf_weights
+    from megarl.models.hf_io import SafetensorsReader, gather_hf_tensors, load_hf_weights
     from megarl.parallel_state import megatron_groups
     from megarl.parallel_state.dims import ParallelDims
 
@@ -86,6 +90,14 @@ def warm_start(model_dir: str, tokenizer, records, steps: int, seed: int):
              for r in records]
     losses = [sft_step(actor, sft_batch(rng.sample(pairs, 32)))["nll"] for _ in range(steps)]
     tensors = {k: v.contiguous() for k, v in gather_hf_tensors(chunks, arch).items()}
+    # One file with the trained weights and the untrained MTP layer, replacing the made ones.
+    reader = SafetensorsReader(model_dir)
+    tensors.update({name: reader(name) for name in mtp_weights.mtp_names(arch, reader.names())})
+    stale = set(reader.weight_map.values()) | {"model.safetensors.index.json"}
+    reader.close()
+    for name in stale:
+        if os.path.exists(os.path.join(model_dir, name)):
+            os.remove(os.path.join(model_dir, name))
     save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
     megatron_groups.destroy()
     return losses

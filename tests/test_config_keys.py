@@ -15,6 +15,7 @@ KEYS = [
     "data.path", "data.prompt_key", "data.answer_key", "data.max_prompt_len", "data.overlong_prompts",
     "data.prompts_per_step", "data.seed",
     "layout.world_size", "layout.tp", "layout.pp", "layout.cp", "layout.ep", "layout.etp", "layout.vpp",
+    "layout.first_stage_layers", "layout.last_stage_layers",
     "layout.rollout_tp",
     "layout.rollout_ep", "layout.sync_bucket_mb",
     "generation.samples_per_prompt", "generation.temperature", "generation.top_p",

@@ -25,6 +25,8 @@ LAYOUTS = {
     "ep2": (2, {"ep": 2}, MOE_MODELS),
     "tp2_ep2_etp1": (2, {"tp": 2, "ep": 2, "etp": 1}, MOE_MODELS),
     "pp2_vpp2": (2, {"pp": 2, "vpp": 2}, ["llama_tied", "qwen3_moe", *DEEPSEEK_MODELS]),
+    # uneven stages (DeepSeek-V3's 61 layers split no other way): the dense layer alone first
+    "pp2_first1": (2, {"pp": 2, "first_stage_layers": 1}, DEEPSEEK_MODELS),
     "tp2_pp2": (4, {"tp": 2, "pp": 2}, [m for m in TP_OK if m in OTHERS]),
     "tp2_ep2": (4, {"tp": 2, "ep": 2}, [m for m in MOE_MODELS if m in OTHERS]),
 }

@@ -341,3 +341,24 @@ def test_demo_reward_rises(demo_inputs, tmp_path):
     assert len(rewards) == 30
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert last - first >= 0.08, f"reward {first:.3f} (steps 1-5) -> {last:.3f} (steps 21-30): {rewards}"
+
+
+def test_deepseek_v3_demo_reward_rises(tmp_path):
+    """The demo task learned by a tiny DeepSeek-V3-style model (MLA with YaRN, sigmoid routing
+    with an expert bias that training updates and syncs to vLLM, group-limited top-k, shared
+    experts, a dense first layer, an MTP layer carried along): scripts/prepare_demo.py --model
+    deepseek_v3, then 20 steps of configs/demo_cpu.yaml's PPO through scripts/train_ppo_moe.py.
+    The mean reward of the last 5 steps beats the first 5 steps' by at least 0.15: measured
+    0.39 -> 0.82 (seed 0, this run) and 0.33 -> 0.58 (seed 1)."""
+    inputs, run_dir = tmp_path / "inputs", tmp_path / "run"
+    run("scripts/prepare_demo.py", "--out", str(inputs), "--prompts", "200", "--model", "deepseek_v3")
+    run("scripts/train_ppo_moe.py", *_args(inputs, run_dir, "steps=20", "layout.world_size=1",
+                                           "layout.ep=1", *NO_CHECKPOINT),
+        nproc=1, timeout=900, env=_one_rank())
+    steps = _steps(run_dir)
+    rewards = [s["reward/mean"] for s in steps]
+    assert len(rewards) == 20
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last - first >= 0.15, f"reward {first:.3f} (steps 1-5) -> {last:.3f} (steps 16-20): {rewards}"
+    # vLLM's CPU MLA decode is not exact (DESIGN.md), but stays close to the actor's log-probs.
+    assert max(s["rollout/logprob_diff_max"] for s in steps) < 0.05

@@ -44,3 +44,39 @@ def test_sequence_must_split_over_cp_and_tp():
 def test_conversion_layout_uses_pipeline_stages_that_divide_layers():
     assert ParallelDims.for_conversion(4, 6).pp == 2
     assert ParallelDims.for_conversion(3, 4).pp == 1
+
+
+@pytest.mark.parametrize("fields,layers,counts", [
+    (dict(pp=2), 4, [2, 2]),
+    (dict(pp=2, vpp=2), 8, [2, 2, 2, 2]),
+    (dict(pp=2, first_stage_layers=1), 4, [1, 3]),
+    (dict(pp=2, last_stage_layers=3), 4, [1, 3]),
+    (dict(pp=8, first_stage_layers=5, last_stage_layers=2), 61, [5, 9, 9, 9, 9, 9, 9, 2]),  # DeepSeek-V3
+    (dict(pp=4, first_stage_layers=1, last_stage_layers=1), 4, [1, 1, 1, 1]),
+])
+def test_layers_per_stage(fields, layers, counts):
+    dims = ParallelDims(world_size=fields["pp"], **fields)
+    assert dims.stage_layers(layers) == counts
+    assert sum(counts) == layers
+
+
+@pytest.mark.parametrize("fields,layers,message", [
+    (dict(pp=8), 61, r"num_layers\(61\) must be divisible by pp\(8\).*first_stage_layers"),
+    (dict(pp=8, first_stage_layers=4), 61, r"first_stage_layers=4 and last_stage_layers=None leave 57 "
+                                           r"of num_layers\(61\) for 7 other pipeline stages"),
+    (dict(pp=4, first_stage_layers=2, last_stage_layers=2), 4, r"leave 0 of num_layers\(4\) for 2"),
+])
+def test_uneven_stages_that_do_not_fit_are_refused(fields, layers, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(world_size=fields["pp"], **fields).stage_layers(layers)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(world_size=2, first_stage_layers=1), r"first_stage_layers=1 needs pipeline parallelism"),
+    (dict(world_size=2, pp=2, vpp=2, last_stage_layers=1), r"without interleaving; set vpp=None"),
+    (dict(world_size=2, pp=2, first_stage_layers=1, last_stage_layers=1), r"not both"),
+    (dict(world_size=2, pp=2, first_stage_layers=0), r"first_stage_layers must be a positive"),
+])
+def test_bad_uneven_layouts(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(**fields)

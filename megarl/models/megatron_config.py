@@ -102,6 +102,7 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **dims.megatron_sizes(),
+        **dims.uneven_sizes(),
         sequence_parallel=dims.tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -6,7 +6,7 @@ Does not own process groups: see `megatron_groups.py` for the one adapter to Meg
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,10 @@ class ParallelDims:
     ep: int = 1
     etp: Optional[int] = None  # expert tensor parallel; None means "same as tp"
     vpp: Optional[int] = None  # virtual pipeline stages per rank; None means no interleaving
+    # Uneven pipelines (Megatron's num_layers_in_first/last_pipeline_stage), for layer counts no
+    # even split fits (DeepSeek-V3's 61); None: the stage gets an even share like the others.
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     def __post_init__(self):
         for name in ("world_size", "tp", "pp", "cp", "ep"):
@@ -32,6 +36,18 @@ class ParallelDims:
             raise ValueError(
                 f"vpp({self.vpp}) needs pipeline parallelism, but pp is 1: set pp > 1 or vpp=None"
             )
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+            if value is not None and self.pp == 1:
+                raise ValueError(f"{name}={value} needs pipeline parallelism, but pp is 1")
+            if value is not None and self.vpp is not None:
+                raise ValueError(f"{name}={value} with vpp={self.vpp}: megarl runs uneven pipeline "
+                                 "stages without interleaving; set vpp=None")
+        if self.pp == 2 and self.first_stage_layers and self.last_stage_layers:
+            raise ValueError("with pp=2 set first_stage_layers or last_stage_layers, not both: the "
+                             "other stage takes the remaining layers")
         dense = self.tp * self.pp * self.cp
         if self.world_size % dense:
             raise ValueError(
@@ -51,6 +67,36 @@ class ParallelDims:
         """Layers split over as many pipeline stages as the world allows, nothing TP-sharded:
         each rank holds whole tensors of 1/pp of the model, and can read/write them directly."""
         return cls(world_size=world_size, pp=math.gcd(world_size, num_layers))
+
+    @property
+    def uneven(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def stage_layers(self, num_layers: int) -> List[int]:
+        """Layers per pipeline stage (per model chunk with VPP: pp * vpp even chunks), as
+        Megatron-Core builds them; ValueError naming the values when they do not fit."""
+        stages = self.pp * self.virtual_stages
+        if not self.uneven:
+            if num_layers % stages:
+                raise ValueError(
+                    f"num_layers({num_layers}) must be divisible by pp({self.pp}) * vpp"
+                    f"({self.virtual_stages}) = {stages}: choose pp/vpp that divide {num_layers}, or "
+                    f"give the first/last stage fewer layers (first_stage_layers, last_stage_layers)")
+            return [num_layers // stages] * stages
+        ends = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
+        middle_stages, middle_layers = self.pp - len(ends), num_layers - sum(ends)
+        if (self.pp == 2 and len(ends) == 1) and middle_layers > 0:
+            counts = [middle_layers]  # the other stage of two
+        elif middle_stages and middle_layers > 0 and middle_layers % middle_stages == 0:
+            counts = [middle_layers // middle_stages] * middle_stages
+        else:
+            raise ValueError(
+                f"first_stage_layers={self.first_stage_layers} and last_stage_layers="
+                f"{self.last_stage_layers} leave {middle_layers} of num_layers({num_layers}) for "
+                f"{middle_stages} other pipeline stages: they must split evenly, >= 1 each")
+        first = [self.first_stage_layers] if self.first_stage_layers is not None else []
+        last = [self.last_stage_layers] if self.last_stage_layers is not None else []
+        return first + counts + last
 
     @property
     def expert_tp(self) -> int:
@@ -74,21 +120,24 @@ class ParallelDims:
                     virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
                     expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.expert_tp)
 
+    def uneven_sizes(self) -> dict:
+        """TransformerConfig's uneven-pipeline fields (the process groups do not depend on them)."""
+        return dict(num_layers_in_first_pipeline_stage=self.first_stage_layers,
+                    num_layers_in_last_pipeline_stage=self.last_stage_layers)
+
     def describe(self) -> dict:
-        return {
+        out = {
             "world_size": self.world_size, "tp": self.tp, "pp": self.pp, "vpp": self.vpp,
             "cp": self.cp, "ep": self.ep, "etp": self.expert_tp, "dp": self.dp,
         }
+        if self.uneven:
+            out.update(first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+        return out
 
     def check_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int,
                     num_experts: int = 0, ffn_hidden: int = 0, moe_ffn_hidden: int = 0) -> None:
         """Raise ValueError if the model's shapes cannot be split over this layout."""
-        stages = self.pp * self.virtual_stages
-        if num_layers % stages:
-            raise ValueError(
-                f"num_layers({num_layers}) must be divisible by pp({self.pp}) * vpp"
-                f"({self.virtual_stages}) = {stages}: choose pp/vpp that divide {num_layers}"
-            )
+        self.stage_layers(num_layers)
         if num_heads % self.tp:
             raise ValueError(f"num_attention_heads({num_heads}) must be divisible by tp({self.tp})")
         if num_kv_heads % self.tp:

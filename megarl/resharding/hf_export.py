@@ -24,6 +24,9 @@ from megarl.models.hf_config import ModelArch
 from megarl.resharding.sync import sync_weights
 from megarl.rollout.engine import WeightLayout, WeightUpdateReport
 
+# DeepSeek-style checkpoints keep the routing bias in fp32 (Megatron's expert_bias is fp32 too).
+_FP32_TENSORS = ("e_score_correction_bias",)
+
 
 class HFDirectoryWriter:
     """The RolloutEngine surface sync_weights uses, writing HF files instead of loading them."""
@@ -46,7 +49,8 @@ class HFDirectoryWriter:
             os.makedirs(self.partial)
 
     def open_tensors(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
-        self.open = {name: torch.empty(self.expected[name], dtype=self.dtype) for name in names}
+        self.open = {name: torch.empty(self.expected[name], dtype=torch.float32 if name.endswith(
+            _FP32_TENSORS) else self.dtype) for name in names}
         return self.open
 
     def close_tensors(self, names: Sequence[str]) -> None:

@@ -28,6 +28,10 @@ _DTYPE_NAMES = {str(dtype): str(dtype) for dtype in DTYPES.values()}
 _DTYPE_NAMES.update({name: str(dtype) for name, dtype in DTYPES.items()})
 
 
+# Megatron keeps the router's expert bias in fp32 whatever the model's dtype.
+_FP32_SUFFIX, _FP32 = "router.expert_bias", "torch.float32"
+
+
 @dataclass(frozen=True)
 class _Tensor:
     """One tensor of the full model as the ranks of its pipeline stage (and EP rank) hold it."""
@@ -48,7 +52,7 @@ def _shapes(arch: ModelArch, dims: ParallelDims, role: str,
     hidden, head_dim, tp, etp = arch.hidden_size, arch.head_dim, dims.tp, dims.expert_tp
     qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * head_dim
     vocab = padded_vocab_size(arch.vocab_size, tp)
-    return {
+    shapes = {
         "embedding.word_embeddings.weight": ((vocab // tp, hidden), 0, False),
         "output_layer.weight": ((1, hidden), None, False) if role == "value"
         else ((vocab // tp, hidden), 0, False),
@@ -65,15 +69,39 @@ def _shapes(arch: ModelArch, dims: ParallelDims, role: str,
         "mlp.router.weight": ((arch.num_experts, hidden), None, False),
         "expert.linear_fc1.weight": ((2 * arch.moe_ffn_hidden_size // etp, hidden), 0, True),
         "expert.linear_fc2.weight": ((hidden, arch.moe_ffn_hidden_size // etp), 1, False),
+        # DeepSeek-style MoE layers: the router's fp32 expert bias and the shared experts.
+        "mlp.router.expert_bias": ((arch.num_experts,), None, False),
+        "mlp.shared_experts.linear_fc1.weight": ((2 * arch.shared_expert_ffn // tp, hidden), 0, True),
+        "mlp.shared_experts.linear_fc2.weight": ((hidden, arch.shared_expert_ffn // tp), 1, False),
+    }
+    if arch.mla:
+        shapes.update(_mla_shapes(arch, tp))
+    return shapes
+
+
+def _mla_shapes(arch: ModelArch, tp: int) -> Dict[str, Tuple[Tuple[int, ...], Optional[int], bool]]:
+    """Multi-latent attention: replicated down projections and latent norms, head-split
+    up projections, the output projection over the heads' value dims."""
+    hidden, heads, rope = arch.hidden_size, arch.num_heads, arch.qk_rope_dim
+    q_rows, kv_rows = heads * (arch.head_dim + rope), heads * (arch.head_dim + arch.v_head_dim)
+    return {
+        "self_attention.linear_q_down_proj.weight": ((arch.q_lora_rank, hidden), None, False),
+        "self_attention.q_layernorm.weight": ((arch.q_lora_rank,), None, False),
+        "self_attention.linear_q_up_proj.weight": ((q_rows // tp, arch.q_lora_rank), 0, False),
+        "self_attention.linear_q_proj.weight": ((q_rows // tp, hidden), 0, False),
+        "self_attention.linear_kv_down_proj.weight": ((arch.kv_lora_rank + rope, hidden), None, False),
+        "self_attention.kv_layernorm.weight": ((arch.kv_lora_rank,), None, False),
+        "self_attention.linear_kv_up_proj.weight": ((kv_rows // tp, arch.kv_lora_rank), 0, False),
+        "self_attention.linear_proj.weight": ((hidden, heads * arch.v_head_dim // tp), 1, False),
     }
 
 
-def _stage_of_layer(arch: ModelArch, dims: ParallelDims, layer: int) -> int:
-    """The pipeline rank building `layer`: megarl sets no uneven first/last stage, so Megatron
-    gives model chunk c = vp_stage * pp + pp_rank the layers [c * n, (c + 1) * n) with
-    n = num_layers / (pp * vpp) (get_transformer_layer_offset)."""
-    per_chunk = arch.num_layers // (dims.pp * dims.virtual_stages)
-    return (layer // per_chunk) % dims.pp
+def _stage_of_layers(arch: ModelArch, dims: ParallelDims) -> List[int]:
+    """The pipeline rank building each layer: Megatron gives model chunk c = vp_stage * pp +
+    pp_rank the c-th run of ParallelDims.stage_layers (get_transformer_layer_offset; uneven
+    stages go without VPP)."""
+    return [chunk % dims.pp for chunk, count in enumerate(dims.stage_layers(arch.num_layers))
+            for _ in range(count)]
 
 
 def _tensors(arch: ModelArch, dims: ParallelDims, role: str) -> List[_Tensor]:
@@ -81,6 +109,7 @@ def _tensors(arch: ModelArch, dims: ParallelDims, role: str) -> List[_Tensor]:
     The embedding is on the first stage, a layer's tensors on its stage, the rest (final norm,
     output layer) on the last."""
     shapes = _shapes(arch, dims, role)
+    stage_of_layer = _stage_of_layers(arch, dims)
     out = []
     for entry in weight_tables.entries(arch, role):
         name = entry.megatron
@@ -90,7 +119,7 @@ def _tensors(arch: ModelArch, dims: ParallelDims, role: str) -> List[_Tensor]:
             stage = 0 if name == "embedding.word_embeddings.weight" else dims.pp - 1
             suffix = name
         else:
-            stage = _stage_of_layer(arch, dims, int(match.group(1)))
+            stage = stage_of_layer[int(match.group(1))]
             expert = None if match.group(2) is None else int(match.group(2))
             suffix = ("expert." if expert is not None else "") + name[match.end():]
         if suffix not in shapes:
@@ -174,5 +203,6 @@ def layout_pieces(arch: ModelArch, dims: ParallelDims, dtype: Optional[str] = No
         dense, expert = (at.tp, dims.tp), (at.etp, dims.expert_tp)
         for canonical, is_expert, tp_dim, glu, shape in held[(at.pp, at.ep)]:
             tp_rank, tp_size = expert if is_expert else dense
-            pieces.append(Piece(rank, canonical, tp_rank, tp_size, tp_dim, glu, shape, dtype))
+            pieces.append(Piece(rank, canonical, tp_rank, tp_size, tp_dim, glu, shape,
+                                _FP32 if canonical.endswith(_FP32_SUFFIX) else dtype))
     return tuple(pieces)

@@ -47,6 +47,10 @@ class LayoutConfig:
     ep: int = 1
     etp: Optional[int] = None
     vpp: Optional[int] = None
+    # Uneven pipelines: the first / last stage's layers when num_layers has no even split
+    # (DeepSeek-V3's 61 layers); the other stages share the rest evenly.
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
     rollout_tp: int = 1
     rollout_ep: int = 1   # 1, or rollout_tp: each engine splits its experts over its ranks
     # the weight sync's bucket (opened engine modules per rank; its round buffers are bounded
@@ -61,7 +65,8 @@ class LayoutConfig:
     def dims(self) -> ParallelDims:
         """The training layout, validated (raises naming the degrees that do not fit)."""
         return ParallelDims(world_size=self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
-                            etp=self.etp, vpp=self.vpp)
+                            etp=self.etp, vpp=self.vpp, first_stage_layers=self.first_stage_layers,
+                            last_stage_layers=self.last_stage_layers)
 
 
 @dataclass(frozen=True)
