@@ -30,7 +30,7 @@ from megarl.resharding.destination import RolloutLayout, check_rollout, vllm_lay
 from megarl.resharding.plan import Plan, build_plan
 from megarl.resharding.source_layout import layout_pieces, rank_coords
 
-TRAIN_KEYS = ("tp", "pp", "cp", "ep", "etp", "vpp", "dp")
+TRAIN_KEYS = ("tp", "pp", "cp", "ep", "etp", "vpp", "dp", "first_stage_layers", "last_stage_layers")
 ROLLOUT_KEYS = ("tp", "ep")
 # Above this many destination regions (each is at least one Copy; ~8 us of planning each), plan
 # one engine per distinct placement instead of every engine (module docstring).
