@@ -6,7 +6,11 @@
 Loads IN into the Megatron actor at the layout, perturbs it (as training would), generates with
 vLLM before and after syncing, and compares vLLM's sampled-token log-probs with the actor's
 teacher-forced log-probs; with --loader-parity, also the engine's tensors with those vLLM's own
-loaders make of the same weights. The last line printed is one JSON object.
+loaders make of the same weights. With --export DIR, it writes the perturbed actor as an HF
+checkpoint (DIR/hf) and the post-sync samples (DIR/samples.json): a vLLM engine started from
+DIR/hf with the same --prompts, --max-new-tokens and --seed must reproduce them (the sync adds
+nothing to the engine's own error; tests/test_weight_sync.py does so for MLA). The last line
+printed is one JSON object.
 """
 
 import argparse
@@ -56,6 +60,9 @@ def main():
                         help="also compare the engine's synced tensors with vLLM's own loader's "
                              "(from an HF export of the actor); exit 1 unless they are equal. "
                              "Dense models on the CPU (megarl/checks/loader_parity.py)")
+    parser.add_argument("--export", default=None, metavar="DIR",
+                        help="write DIR/hf (the perturbed actor, HF format) and DIR/samples.json "
+                             "(the samples generated after the sync)")
     args = parser.parse_args()
 
     world = megatron_groups.init_distributed()
@@ -89,6 +96,8 @@ def main():
               **{key: [r[key] for r in ranks] for key in (
                   "bytes_received", "bytes_sent", "shard_bytes", "messages", "peak_extra_bytes",
                   "measured_peak_bytes", "largest_tensor_bytes")}}
+    if args.export:
+        verify.export_synced(chunks, arch, args.hf_dir, samples, args.export)
     if args.loader_parity:
         parity = _per_rank(loader_parity(engine, chunks, arch, args.hf_dir), world)
         result.update({key: [r[key] for r in parity] for key in parity[0]})

@@ -28,17 +28,19 @@ CASES = {
     "moe_replay": (MOE, {}, REPLAY),
     "dense_unclipped": (DENSE, {}, {"optim": {"clip_grad": 0.0}}),
     # MLA, shared experts, sigmoid routing whose expert bias Megatron updates from the token
-    # counts at each optimizer step (all-reduced over TP x DP): the bias must move identically.
-    "deepseek": (DEEPSEEK, {}, {}),
+    # counts at each optimizer step (all-reduced over TP x DP): the bias must move identically;
+    # with router replay through the group-limited, biased top-k.
+    "deepseek_replay": (DEEPSEEK, {}, REPLAY),
 }
 # layout name -> (nproc, ParallelDims fields, case -> batching used at that layout)
 LAYOUTS = {
     "single": (1, {}, {"dense": {}, "dense_tokens": {"micro_batch_tokens": 64}, "dense_algo": STEPS,
-                       "moe": {}, "moe_replay": {}, "dense_unclipped": {}, "deepseek": {}}),
+                       "moe": {}, "moe_replay": {}, "dense_unclipped": {}, "deepseek_replay": {}}),
     "tp2": (2, {"tp": 2}, {"dense": {}, "moe_replay": {"micro_batch_tokens": 96},
-                           "deepseek": {"micro_batch_tokens": 96}}),
+                           "deepseek_replay": {"micro_batch_tokens": 96}}),
     "pp2": (2, {"pp": 2}, {"dense": {"micro_batches": 3}, "moe": {"micro_batch_tokens": 96}}),
-    "ep2": (2, {"ep": 2}, {"moe": {"micro_batch_tokens": 96}, "moe_replay": {}, "deepseek": {}}),
+    "ep2": (2, {"ep": 2}, {"moe": {"micro_batch_tokens": 96}, "moe_replay": {},
+                           "deepseek_replay": {"micro_batch_tokens": 96}}),
     "dp2": (2, {}, {"dense": {"micro_batch_tokens": 96}, "dense_algo": STEPS, "dense_unclipped": {}}),
     "cp2": (2, {"cp": 2}, {"dense": {}, "dense_algo": STEPS}),
     "tp2pp2": (4, {"tp": 2, "pp": 2}, {"dense": {"micro_batches": 2}, "moe": {"micro_batches": 2}}),
@@ -135,6 +137,22 @@ def test_router_replay(updates, layout):
     assert experts.shape == (*ref["mask"].shape, 4, 2)
     assert torch.equal(experts, ref["routed_experts"])
     assert bool((experts[ref["mask"].bool()] >= 0).all())
+    assert (got["replay_same"] - got["old_logprobs"])[mask].abs().max() <= 1e-5
+    assert (got["replay_shifted"] - got["old_logprobs"])[mask].abs().max() > 0.1
+    assert (got["replay_shifted"] - ref["replay_shifted"])[mask].abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["single", "tp2", "ep2"])
+def test_router_replay_with_deepseek_routing(updates, layout):
+    """Replay through sigmoid routing with the expert bias and group-limited top-k: the dense
+    first layer records nothing (-1), the MoE layers 4 experts a token, the same in every
+    layout, and replaying them reproduces the log-probs; shifted experts change them."""
+    ref, got = updates["single"]["deepseek_replay"], updates[layout]["deepseek_replay"]
+    mask = ref["mask"].bool()
+    experts = got["routed_experts"]
+    assert experts.shape == (*ref["mask"].shape, 4, 4)
+    assert torch.equal(experts, ref["routed_experts"])
+    assert bool((experts[mask][:, 0] == -1).all()) and bool((experts[mask][:, 1:] >= 0).all())
     assert (got["replay_same"] - got["old_logprobs"])[mask].abs().max() <= 1e-5
     assert (got["replay_shifted"] - got["old_logprobs"])[mask].abs().max() > 0.1
     assert (got["replay_shifted"] - ref["replay_shifted"])[mask].abs().max() <= 1e-5

@@ -6,6 +6,8 @@ Owns the machinery behind scripts/verify_sync.py and the resharding tests. The a
 so the check covers the path training takes. Does not own the sync (resharding) or generation.
 """
 
+import json
+import os
 import zlib
 from typing import List
 
@@ -15,7 +17,7 @@ import torch.distributed as dist
 from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.models import weight_tables
-from megarl.models.hf_config import ModelArch
+from megarl.models.hf_config import ModelArch, load_hf_config
 from megarl.models.param_layout import weight_slots
 from megarl.parallel_state import megatron_groups
 from megarl.rollout.collect import to_batch
@@ -62,6 +64,23 @@ def actor_logprob_diff(actor: Actor, samples: List[RolloutSample]) -> float:
     ours = actor.logprobs(batch).old_logprobs  # [N, L]
     sampled = batch.loss_mask.bool()
     return float((ours.double() - batch.rollout_logprobs.double())[sampled].abs().max())
+
+
+def export_synced(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
+                  samples: List[RolloutSample], out_dir: str) -> None:
+    """Collective: OUT/hf, the model the engine was synced to (HF format), and OUT/samples.json
+    (rank 0), the samples it generated after the sync, for a fresh engine to reproduce."""
+    from megarl.resharding.hf_export import export_hf
+
+    export_hf(chunks, arch, load_hf_config(hf_dir), hf_dir, os.path.join(out_dir, "hf"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "samples.json"), "w") as f:
+            json.dump([sample_record(s) for s in samples], f)
+
+
+def sample_record(sample: RolloutSample) -> dict:
+    return {"prompt_ids": sample.prompt_ids, "prompt_index": sample.prompt_index,
+            "response_ids": sample.response_ids, "logprobs": sample.logprobs.tolist()}
 
 
 def fixed_prompts(vocab_size: int, count: int, seed: int = 0) -> List[List[int]]:
