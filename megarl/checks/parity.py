@@ -14,6 +14,7 @@ optimizer step that follows never clips and leaves the gradients in place; the w
 are not used again. Does not own the model's code paths (actor, critic) or checkpoints (models).
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -89,6 +90,14 @@ def hf_run(hf_dir: str, tokens: torch.Tensor, backward: bool) -> ParityResult:
     return ParityResult(logprobs=logprobs, loss=float(loss.detach()), grads=grads)
 
 
+@functools.lru_cache(maxsize=16)
+def _hf_reference(hf_dir: str, vocab_size: int, batch: int, seq: int, backward: bool) -> ParityResult:
+    """hf_run on fixed_tokens, kept per process (a parity worker checks each of its checkpoints
+    at many layouts, and the reference does not depend on the layout). Tiny models only: each
+    entry holds a full set of gradients."""
+    return hf_run(hf_dir, fixed_tokens(vocab_size, batch, seq), backward)
+
+
 @torch.no_grad()
 def _hub_named(model, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Name tensors as the checkpoint on disk does: transformers 5 fuses MoE experts in memory
@@ -110,7 +119,7 @@ def check_checkpoint(hf_dir: str, megatron_dir: str, dims: ParallelDims, grads: 
     checkpoint.load(chunks, megatron_dir)
     tokens = fixed_tokens(arch.vocab_size, batch, seq)
     ours = actor_run(chunks, arch, tokens, backward=grads, micro_batches=micro_batches)
-    ref = hf_run(hf_dir, tokens, backward=grads)
+    ref = _hf_reference(hf_dir, arch.vocab_size, batch, seq, grads)
     summary = {"layout": dims.describe(), "family": arch.family,
                "max_abs_logprob_diff": float((ours.logprobs.double() - ref.logprobs.double()).abs().max()),
                "loss": ours.loss, "hf_loss": ref.loss,
