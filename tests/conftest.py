@@ -19,6 +19,7 @@ TIERS = {
     "test_algos_advantage_step": UNIT,
     "test_algos_advantages": UNIT,
     "test_algos_losses": UNIT,
+    "test_algos_rollout_correction": UNIT,
     "test_algos_shaping": UNIT,
     "test_algos_vocab_parallel": (UNIT, {"test_two_rank_gloo_group_matches_full_log_softmax": DISTRIBUTED}),
     "test_architecture": UNIT,
@@ -52,6 +53,7 @@ TIERS = {
     "test_resharding_plan": UNIT,
     "test_rewards": UNIT,
     "test_rollout_engine": (UNIT, {"test_sampling_parameters_reach_vllm": E2E}),
+    "test_routing_replay": E2E,  # vLLM returns routing; the actor replays it
     "test_slurm": E2E,
     "test_slurm_env": DISTRIBUTED,  # sources the sbatch scripts' env.sh in bash
     "test_source_layout": UNIT,
