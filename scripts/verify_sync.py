@@ -60,6 +60,12 @@ def main():
                         help="also compare the engine's synced tensors with vLLM's own loader's "
                              "(from an HF export of the actor); exit 1 unless they are equal. "
                              "Dense models on the CPU (megarl/checks/loader_parity.py)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="run actor and engine in this dtype (default: the checkpoint's)")
+    parser.add_argument("--routing", action="store_true",
+                        help="MoE: the engine returns each token's experts; report, for router "
+                             "replay off and rollout (R3), the log-prob difference and the fraction "
+                             "of (token, layer) pairs routed differently (key 'routing')")
     parser.add_argument("--export", default=None, metavar="DIR",
                         help="write DIR/hf (the perturbed actor, HF format) and DIR/samples.json "
                              "(the samples generated after the sync)")
@@ -69,13 +75,13 @@ def main():
     dims = ParallelDims(world_size=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                         vpp=args.vpp)
     megatron_groups.initialize(dims, seed=args.seed)
-    arch = load_arch(args.hf_dir)
+    arch = load_arch(args.hf_dir, args.dtype)
     chunks = build_model(arch, dims, perform_initialization=False)
     load_hf_weights(chunks, arch, args.hf_dir)
     verify.perturb(chunks, arch, args.perturb, args.seed)
 
     engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, rollout_ep=args.rollout_ep,
-                        dtype=arch.dtype, seed=args.seed)
+                        dtype=arch.dtype, seed=args.seed, return_routing=args.routing)
     prompts = verify.fixed_prompts(arch.vocab_size, args.prompts, args.seed)
     mine = [prompts[i] for i in engine.placement.share(len(prompts))]
     sampling = verify.default_sampling(args.max_new_tokens, args.seed)
@@ -96,6 +102,8 @@ def main():
               **{key: [r[key] for r in ranks] for key in (
                   "bytes_received", "bytes_sent", "shard_bytes", "messages", "peak_extra_bytes",
                   "measured_peak_bytes", "largest_tensor_bytes")}}
+    if args.routing:
+        result["routing"] = verify.routing_replay_report(chunks, arch, samples)
     if args.export:
         verify.export_synced(chunks, arch, args.hf_dir, samples, args.export)
     if args.loader_parity:

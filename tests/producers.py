@@ -4,12 +4,15 @@ import dataclasses
 
 
 class FirstToken:
-    """Each of the engine's completions cut to its first token (with that token's log-prob): a
-    producer whose samples differ visibly from plain completions."""
+    """Each of the engine's completions cut to its first token (with that token's log-prob, and
+    the routing of the tokens the engine fed before it): a producer whose samples differ visibly
+    from plain completions."""
 
     def produce(self, engine, prompts, sampling):
         return [dataclasses.replace(s, response_ids=s.response_ids[:1], logprobs=s.logprobs[:1],
-                                    finish_reason="length")
+                                    finish_reason="length",
+                                    routed_experts=None if s.routed_experts is None
+                                    else s.routed_experts[:len(s.prompt_ids)])
                 for s in engine.generate(prompts, sampling)]
 
 

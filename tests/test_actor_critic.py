@@ -15,9 +15,9 @@ from tests.launch import run
 
 DENSE, MOE, DEEPSEEK = "qwen3", "qwen3_moe", "deepseek_v3"
 ALGO = {"policy_loss": "gspo", "aggregation": "seq-mean-token-mean", "kl_loss_coeff": 0.1,
-        "entropy_coeff": 0.01, "tis_cap": 2.0, "eps_clip_high": 0.28}
+        "entropy_coeff": 0.01, "rollout_correction": {"preset": "tis"}, "eps_clip_high": 0.28}
 STEPS = {"mini_batch_size": 4, "epochs": 2, "shuffle_seed": 1}
-REPLAY = {"router_replay": True}
+REPLAY = {"router_replay": "old"}
 
 # name -> (model, batching, actor overrides); the reference is the single-rank run of each.
 CASES = {
@@ -31,14 +31,20 @@ CASES = {
     # counts at each optimizer step (all-reduced over TP x DP): the bias must move identically;
     # with router replay through the group-limited, biased top-k.
     "deepseek_replay": (DEEPSEEK, {}, REPLAY),
+    # Masked IS whose bounds reject every token (the rollout log-probs are 0.05 nats off).
+    "dense_rejected": (DENSE, {}, {"rollout_correction": {"preset": None, "weights": "token",
+                                                          "reject": "token", "low": 0.999999,
+                                                          "high": 1.000001}}),
 }
 # layout name -> (nproc, ParallelDims fields, case -> batching used at that layout)
 LAYOUTS = {
     "single": (1, {}, {"dense": {}, "dense_tokens": {"micro_batch_tokens": 64}, "dense_algo": STEPS,
-                       "moe": {}, "moe_replay": {}, "dense_unclipped": {}, "deepseek_replay": {}}),
+                       "moe": {}, "moe_replay": {}, "dense_unclipped": {}, "deepseek_replay": {},
+                       "dense_rejected": {}}),
     "tp2": (2, {"tp": 2}, {"dense": {}, "moe_replay": {"micro_batch_tokens": 96},
                            "deepseek_replay": {"micro_batch_tokens": 96}}),
-    "pp2": (2, {"pp": 2}, {"dense": {"micro_batches": 3}, "moe": {"micro_batch_tokens": 96}}),
+    "pp2": (2, {"pp": 2}, {"dense": {"micro_batches": 3}, "moe": {"micro_batch_tokens": 96},
+                           "moe_replay": {"micro_batches": 3}}),
     "ep2": (2, {"ep": 2}, {"moe": {"micro_batch_tokens": 96}, "moe_replay": {},
                            "deepseek_replay": {"micro_batch_tokens": 96}}),
     "dp2": (2, {}, {"dense": {"micro_batch_tokens": 96}, "dense_algo": STEPS, "dense_unclipped": {}}),
@@ -96,7 +102,7 @@ def test_update_is_layout_invariant(updates, layout, case):
     assert _relative(got["weights"][worst], ref["weights"][worst]) <= 1e-5, worst
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [case for case in CASES if case != "dense_rejected"])
 def test_update_moves_the_policy(updates, case):
     """The comparison above means something: one update moves every layer's weights by ~lr and
     the log-probs by far more than the tolerances; the reference stays the initial policy."""
@@ -108,6 +114,17 @@ def test_update_moves_the_policy(updates, case):
     assert (result["logprobs_after"] - result["old_logprobs"])[mask].abs().max() > 1e-2
     assert torch.equal(result["reference_after"], result["old_logprobs"])
     assert torch.equal(result["after_again"], result["logprobs_after"])
+
+
+def test_rejecting_every_token_gives_a_zero_loss_and_no_step(updates):
+    """A masked-IS correction that drops every token: loss 0 (not 0 / 0), a zero gradient, no
+    skipped step, and weights exactly where they were."""
+    result = updates["single"]["dense_rejected"]
+    metrics = result["metrics"]
+    assert metrics["loss"] == 0 and metrics["policy_loss"] == 0 and metrics["grad_norm"] == 0, metrics
+    assert metrics["skipped"] == 0
+    for name, weight in result["weights"].items():
+        assert torch.equal(weight, result["initial_weights"][name]), name
 
 
 def test_unclipped_update_reports_the_gradient_norm(updates):
@@ -127,16 +144,27 @@ def test_packed_logprobs_equal_padded(updates, layout):
         assert (result["old_logprobs"] - result["padded_logprobs"])[mask].abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["single", "tp2", "ep2", "tp2ep2"])
+def _used_what_was_replayed(got, mask):
+    """The routers report using exactly the replayed experts (as sets) on every real token."""
+    for replayed, used in ((got["old_routing"], got["used_same"]),
+                           (torch.where(got["old_routing"] >= 0, (got["old_routing"] + 1) % got["experts"],
+                                        got["old_routing"]), got["used_shifted"])):
+        routed = (replayed[mask] >= 0).all(-1)
+        assert torch.equal(replayed[mask][routed].sort(-1).values, used[mask][routed].sort(-1).values)
+
+
+@pytest.mark.parametrize("layout", ["single", "tp2", "pp2", "ep2", "tp2ep2"])
 def test_router_replay(updates, layout):
-    """Recorded routing is the same in every layout; replaying it reproduces the log-probs
-    exactly; replaying a different (shifted) routing changes them, identically in every layout."""
+    """Recorded routing is the same in every layout; replaying it (as R3 replays the engine's)
+    reproduces the log-probs exactly and the routers use exactly those experts; replaying a
+    different (shifted) routing changes the log-probs, identically in every layout."""
     ref, got = updates["single"]["moe_replay"], updates[layout]["moe_replay"]
     mask = ref["mask"].bool()
-    experts = got["routed_experts"]
+    experts = got["old_routing"]
     assert experts.shape == (*ref["mask"].shape, 4, 2)
-    assert torch.equal(experts, ref["routed_experts"])
+    assert torch.equal(experts, ref["old_routing"])
     assert bool((experts[ref["mask"].bool()] >= 0).all())
+    _used_what_was_replayed(got, mask)
     assert (got["replay_same"] - got["old_logprobs"])[mask].abs().max() <= 1e-5
     assert (got["replay_shifted"] - got["old_logprobs"])[mask].abs().max() > 0.1
     assert (got["replay_shifted"] - ref["replay_shifted"])[mask].abs().max() <= 1e-5
@@ -149,10 +177,11 @@ def test_router_replay_with_deepseek_routing(updates, layout):
     layout, and replaying them reproduces the log-probs; shifted experts change them."""
     ref, got = updates["single"]["deepseek_replay"], updates[layout]["deepseek_replay"]
     mask = ref["mask"].bool()
-    experts = got["routed_experts"]
+    experts = got["old_routing"]
     assert experts.shape == (*ref["mask"].shape, 4, 4)
-    assert torch.equal(experts, ref["routed_experts"])
+    assert torch.equal(experts, ref["old_routing"])
     assert bool((experts[mask][:, 0] == -1).all()) and bool((experts[mask][:, 1:] >= 0).all())
+    _used_what_was_replayed(got, mask)
     assert (got["replay_same"] - got["old_logprobs"])[mask].abs().max() <= 1e-5
     assert (got["replay_shifted"] - got["old_logprobs"])[mask].abs().max() > 0.1
     assert (got["replay_shifted"] - ref["replay_shifted"])[mask].abs().max() <= 1e-5

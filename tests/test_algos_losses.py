@@ -9,6 +9,7 @@ import torch
 
 from megarl.algos import kl, pick
 from megarl.algos import policy_losses as pl
+from megarl.algos import rollout_correction as rc
 from megarl.algos.aggregation import AGGREGATIONS, aggregate
 from megarl.algos.value_loss import clipped_value_loss
 from tests.test_algos_vocab_parallel import entropy_from_logits
@@ -74,8 +75,8 @@ def _ref_ppo(x, dual=None, w=None):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_ppo_loss_indicator_and_gradient_match_loop(dual, weighted):
     x = _inputs()
-    w = pl.truncated_is_weights(x["old_logprobs"], x["old_logprobs"] + _rand(B, T, seed=4, scale=0.5),
-                                cap=1.5) if weighted else None
+    w = rc.apply(x["old_logprobs"], x["old_logprobs"] + _rand(B, T, seed=4, scale=0.5), x["mask"],
+                 rc.Correction(weights="token", cap=1.5)).weights if weighted else None
     loss, clipped = pl.ppo(**x, dual_clip=dual, is_weights=w)
     want_loss, want_clipped, want_grad = _ref_ppo(x, dual, w)
     _check(loss, want_loss, x["mask"])
@@ -88,12 +89,7 @@ def test_ppo_loss_indicator_and_gradient_match_loop(dual, weighted):
                                                -x["advantages"] * (1 - LOW))).any()
 
 
-def test_truncated_is_weights_and_dual_clip_validation():
-    old, rollout = _rand(B, T, seed=5), _rand(B, T, seed=6)
-    w = pl.truncated_is_weights(old, rollout, cap=2.0)
-    _check(w, [[min(math.exp(float(old[i, t] - rollout[i, t])), 2.0) for t in range(T)] for i in range(B)],
-           torch.ones(B, T))
-    assert not w.requires_grad and (w == 2.0).any() and (w < 2.0).any()
+def test_dual_clip_validation():
     with pytest.raises(ValueError, match="dual_clip must be greater than 1.*0.5"):
         pl.ppo(**_inputs(), dual_clip=0.5)
 

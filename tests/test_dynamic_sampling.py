@@ -1,29 +1,47 @@
 """DAPO dynamic sampling's batch assembly (rollout.collect.keep_informative) against a plain
 loop over groups: rounds of different widths, informative groups first in round order, then
-fillers, and every per-token field carried with its row."""
+fillers, and every per-token field carried with its row, the engine's routing included. Rounds
+are laid out by rollout.collect.to_batch from engine samples."""
 
+import pytest
 import torch
 
-from megarl.batch.rollout_batch import RolloutBatch
-from megarl.rollout.collect import Collected, keep_informative
+from megarl.rollout.collect import Collected, keep_informative, to_batch
+from megarl.rollout.engine import RolloutSample
+
+LAYERS, TOPK = 3, 2
+
+
+def _sample(group, n, g, routing=True):
+    """An engine sample of n tokens: 2 prompt tokens; routing for the n - 1 tokens it fed."""
+    tokens = torch.randint(1, 50, (n,), generator=g).tolist()
+    experts = torch.randint(0, 8, (n - 1, LAYERS, TOPK), generator=g).to(torch.int16)
+    return RolloutSample(prompt_ids=tokens[:2], response_ids=tokens[2:],
+                         logprobs=-torch.rand(n - 2, generator=g), prompt_index=group,
+                         routed_experts=experts if routing else None)
 
 
 def _round(rewards, lengths, seed):
     """A round of rollouts: groups of len(rewards[g]) samples, prompts of 2 tokens."""
     g = torch.Generator().manual_seed(seed)
     rows = [(group, r, n) for group, (rs, ns) in enumerate(zip(rewards, lengths)) for r, n in zip(rs, ns)]
-    width = max(n for _, _, n in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width)
-    logprobs = torch.zeros(len(rows), width)
-    for i, (_, _, n) in enumerate(rows):
-        tokens[i, :n] = torch.randint(1, 50, (n,), generator=g)
-        mask[i, 2:n] = 1
-        logprobs[i, 2:n] = -torch.rand(n - 2, generator=g)
-    batch = RolloutBatch(tokens=tokens, lengths=torch.tensor([n for _, _, n in rows]), loss_mask=mask,
-                         group_ids=torch.tensor([grp for grp, _, _ in rows]),
-                         rewards=torch.tensor([r for _, r, _ in rows]), rollout_logprobs=logprobs)
+    samples = [_sample(group, n, g) for group, _, n in rows]
+    batch = to_batch(samples, torch.tensor([r for _, r, _ in rows]))
+    for row, sample in enumerate(samples):  # input-token aligned: token i's experts in column i
+        fed = len(sample.prompt_ids) + len(sample.response_ids) - 1
+        assert torch.equal(batch.rollout_routing[row, :fed], sample.routed_experts)
+        assert bool((batch.rollout_routing[row, fed:] == -1).all())
     return Collected(batch, [f"s{seed}-{i}" for i in range(len(rows))], seed, "", 0)
+
+
+def test_to_batch_refuses_routing_that_does_not_fit_the_tokens():
+    g = torch.Generator().manual_seed(0)
+    short = _sample(0, 6, g)
+    short.routed_experts = short.routed_experts[:-1]
+    with pytest.raises(RuntimeError, match=r"sample 1: routing \(4, 3, 2\) for 5 tokens"):
+        to_batch([_sample(0, 5, g), short], torch.zeros(2))
+    with pytest.raises(RuntimeError, match="routing for 1 of 2 samples"):
+        to_batch([_sample(0, 5, g), _sample(0, 5, g, routing=False)], torch.zeros(2))
 
 
 def _reference(parts, groups):
@@ -54,6 +72,8 @@ def test_keep_informative_matches_a_loop_over_groups():
             assert torch.equal(kept.batch.tokens[row, :n], src.tokens[i, :n])
             assert torch.equal(kept.batch.rollout_logprobs[row, :n], src.rollout_logprobs[i, :n])
             assert torch.equal(kept.batch.loss_mask[row, :n], src.loss_mask[i, :n])
+            assert torch.equal(kept.batch.rollout_routing[row, :n], src.rollout_routing[i, :n])
+            assert bool((kept.batch.rollout_routing[row, n:] == -1).all())
             assert not kept.batch.loss_mask[row, n:].any()
         # groups of different rounds never share an id
         pairs = {(k, int(parts[k].batch.group_ids[i])) for k, i in rows}

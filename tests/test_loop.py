@@ -46,7 +46,10 @@ def _check_steps(steps, critic: bool):
         assert all(math.isfinite(v) for v in s.values())
         # Rollouts of step 2 come from the weights step 1 trained and synced: vLLM's sampled-token
         # log-probs must match the actor's own (a missed sync shows up as ~0.1-1 nats here).
-        assert s["rollout/logprob_diff_max"] < 1e-4
+        assert s["mismatch/logprob_diff_max"] < 1e-4
+        # The demo replays vLLM's routing (R3) and corrects with IcePop, which in fp32 drops nothing.
+        assert s["routing/topk_diff_fraction"] == 0 and s["correction/masked_fraction"] == 0
+        assert 0 <= s["mismatch/kl_k3"] < 1e-8 and s["mismatch/ppl_ratio"] == pytest.approx(1, abs=1e-4)
         assert ("critic/value_loss" in s) == critic
         # The handoff moved the optimizer state and gradients off and back every step.
         assert s["memory/offloaded_bytes"] > 0 and s["memory/peak_bytes"] > s["memory/offloaded_bytes"]
@@ -89,6 +92,12 @@ def test_ppo_with_critic_on_ray(after_a_killed_driver):
     assert saved["algo"]["advantage"] == "gae" and saved["layout"]["ep"] == 2
     assert f"logs in {run_dir}" in proc.stdout + proc.stderr
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    logged = set(events.Tags()["scalars"])
+    assert {"mismatch/kl_k1", "mismatch/logprob_diff_p99", "mismatch/seq_logprob_gap_max",
+            "routing/topk_diff_fraction", "correction/masked_fraction"} <= logged, sorted(logged)
     # stderr holds the bar alone (its in-place redraws read as lines here: text mode turns \r into \n)
     bar = [line for line in proc.stderr.split("\n") if line.strip()]
     assert all(line.startswith("steps:") for line in bar) and "2/2" in bar[-1], bar
@@ -361,4 +370,4 @@ def test_deepseek_v3_demo_reward_rises(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last - first >= 0.15, f"reward {first:.3f} (steps 1-5) -> {last:.3f} (steps 16-20): {rewards}"
     # vLLM's CPU MLA decode is not exact (DESIGN.md), but stays close to the actor's log-probs.
-    assert max(s["rollout/logprob_diff_max"] for s in steps) < 0.05
+    assert max(s["mismatch/logprob_diff_max"] for s in steps) < 0.05

@@ -55,7 +55,7 @@ def test_conversion_and_training_jobs(slurm, demo_inputs, tmp_path):
     with open(run_dir / "metrics.jsonl") as f:
         steps = [json.loads(line) for line in f]
     assert [s["step"] for s in steps] == [1, 2]
-    assert all(0.0 <= s["reward/mean"] <= 1.0 and s["rollout/logprob_diff_max"] < 1e-4 for s in steps)
+    assert all(0.0 <= s["reward/mean"] <= 1.0 and s["mismatch/logprob_diff_max"] < 1e-4 for s in steps)
 
 
 def test_a_failing_trainer_fails_the_job_and_stops_ray(slurm, demo_inputs, tmp_path):

@@ -30,6 +30,17 @@ def test_yaml_then_overrides(tmp_path):
     assert build(Run, dataclasses.asdict(config)) == config
 
 
+def test_rollout_correction_by_preset_or_by_fields():
+    icepop = load(Run, None, ["actor.rollout_correction.preset=icepop"]).actor.rollout_correction
+    assert (icepop.correction.weights, icepop.correction.reject, icepop.correction.bounds) == \
+        ("token", "token", (0.5, 5.0))
+    fields = ["preset=null", "weights=sequence", "cap=3", "reject=geometric", "high=1.01"]
+    own = load(Run, None, [f"actor.rollout_correction.{f}" for f in fields]).actor.rollout_correction
+    own = own.correction
+    assert (own.weights, own.cap, own.reject, own.bounds) == ("sequence", 3.0, "geometric", (1 / 1.01, 1.01))
+    assert load(Run, None, ["actor.router_replay='off'"]).actor.router_replay == "off"
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["actor.optim.lrr=1"], r"unknown key\(s\) \['lrr'\] in actor.optim; allowed: \[.*'lr'"),
     (["steps=many"], r"steps must be int, got 'many'"),
@@ -37,6 +48,14 @@ def test_yaml_then_overrides(tmp_path):
     (["actor.optim.lr_decay_style=cosine"], r"actor.optim: lr_decay_style='cosine' needs lr_decay_steps"),
     (["actor=3"], r"actor must be a section"),
     (["steps"], r"must look like key.sub=value"),
+    # YAML 1.1 reads a bare off as False
+    (["actor.router_replay=off"], r"actor.router_replay must be a string, got False: .*quote"),
+    (["actor.router_replay=rollout_engine"], r"router_replay='rollout_engine': choose one of "
+                                             r"\['off', 'old', 'rollout'\]"),
+    (["actor.rollout_correction.preset=mis"], r"unknown actor.rollout_correction.preset 'mis'"),
+    (["actor.rollout_correction.cap=3"], r"preset 'off' sets the fields, but \['cap'\] are given"),
+    (["actor.rollout_correction.preset=null", "actor.rollout_correction.reject=token"],
+     r"reject='token' needs high"),
 ])
 def test_errors_name_the_key(overrides, message):
     with pytest.raises(ValueError, match=message):

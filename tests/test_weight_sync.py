@@ -18,8 +18,9 @@ CASES = {
     "single_moe": (1, "qwen3_moe", []),
     "single_tied": (1, "llama_tied", []),
     "tp2_into_rollout_tp1": (2, "qwen3", ["--tp", "2", "--rollout-tp", "1"]),
-    # GLM-4.5-style: expert bias, shared experts, a dense first layer, partial RoPE
-    "tp2_into_rollout_tp2_moe": (2, "glm4_moe", ["--tp", "2", "--rollout-tp", "2"]),
+    # GLM-4.5-style: expert bias, shared experts, a dense first layer, partial RoPE; the engine
+    # returns its routing, which the actor then replays (R3)
+    "tp2_into_rollout_tp2_moe": (2, "glm4_moe", ["--tp", "2", "--rollout-tp", "2", "--routing"]),
     "pp2_kv_heads_below_rollout_tp": (2, "qwen2_gqa1", ["--pp", "2", "--rollout-tp", "2", LOADER]),
     "pp2_tied_into_rollout_tp1": (2, "llama_tied", ["--pp", "2", "--rollout-tp", "1", LOADER]),
     "ep2_into_rollout_tp2": (2, "mixtral", ["--ep", "2", "--rollout-tp", "2"]),
@@ -43,6 +44,13 @@ def test_sync_makes_vllm_match_the_actor(case, verified_sync):
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["max_abs_logprob_diff_before_sync"] >= 0.05, result
     assert result["params_synced"] == result["params_expected"] > 0, result
+    if "--routing" in flags:
+        # In fp32 the engine's routing, aligned to the trainer's tokens, is the trainer's own
+        # (near-ties aside); replayed, it is exactly what the routers use.
+        off, r3 = result["routing"]["off"], result["routing"]["rollout"]
+        assert off["routing/topk_diff_fraction"] <= 0.01, result["routing"]
+        assert r3["routing/topk_diff_fraction"] == 0.0, result["routing"]
+        assert r3["max_abs_logprob_diff"] <= 1e-4, result["routing"]
     if LOADER in flags:
         assert result["weight_parity_max_abs_diff"] == [0.0] * world, result
         assert min(result["weight_parity_tensors"]) > 0, result

@@ -12,6 +12,7 @@ from megarl.algos import pick
 from megarl.algos.aggregation import AGGREGATIONS
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.algos.policy_losses import DEFAULT_AGGREGATION, POLICY_LOSSES
+from megarl.algos.rollout_correction import PRESETS, Correction
 
 NORMED = "seq-mean-token-sum-norm"  # the aggregation that needs norm_tokens
 
@@ -49,6 +50,41 @@ class BatchingConfig:
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 2 (or None)")
 
 
+# Whose MoE routing the update replays: the rollout engine's (R3: the experts that sampled each
+# token), the trainer's own old-log-prob pass's, or none (each forward routes on its own).
+ROUTER_REPLAY = ("off", "old", "rollout")
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Importance weights and rejection against the rollout engine's log-probs
+    (megarl/algos/rollout_correction.py): a named preset, or preset null and the fields."""
+    preset: Optional[str] = "off"  # off, tis, icepop, token_mis, seq_mis, decoupled_*: PRESETS
+    weights: Optional[str] = None  # token | sequence: the level of the IS weights
+    cap: Optional[float] = None  # truncate the weights at cap; null: whole ratios
+    reject: Optional[str] = None  # token | sequence | geometric: drop outside [low, high]
+    low: Optional[float] = None  # null: 1 / high
+    high: Optional[float] = None
+
+    def __post_init__(self):
+        own = {name: getattr(self, name) for name in ("weights", "cap", "reject", "low", "high")}
+        if self.preset is None:
+            Correction(**own)  # raises naming the bad field
+            return
+        pick(PRESETS, self.preset, "actor.rollout_correction.preset")
+        chosen = {name: value for name, value in own.items() if value is not None}
+        if chosen:
+            raise ValueError(f"actor.rollout_correction: preset {self.preset!r} sets the fields, but "
+                             f"{sorted(chosen)} are given too; drop them, or set preset: null to "
+                             "choose every field yourself")
+
+    @property
+    def correction(self) -> Correction:
+        if self.preset is None:
+            return Correction(self.weights, self.cap, self.reject, self.low, self.high)
+        return PRESETS[self.preset]
+
+
 @dataclass(frozen=True)
 class ActorConfig:
     policy_loss: str = "ppo"
@@ -62,9 +98,9 @@ class ActorConfig:
     kl_loss_coeff: float = 0.0  # KL to the reference as a loss term (GRPO style); 0 disables
     kl_estimator: str = "k3"
     kl_clamp: Optional[float] = None  # limit per-token KL to [-c, c] (verl: 10 for k3); None: no limit
-    tis_cap: Optional[float] = None  # truncated IS against rollout log-probs; None disables
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     router_aux_loss_coeff: float = 0.0
-    router_replay: bool = False  # replay routing recorded by the old-logprob pass in the update
+    router_replay: str = "off"  # MoE: ROUTER_REPLAY; "rollout" needs the engine's routing
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -77,8 +113,10 @@ class ActorConfig:
         if not 0 <= self.eps_clip_low < 1 or self.eps_clip_high < 0:
             raise ValueError(f"need 0 <= eps_clip_low < 1 and eps_clip_high >= 0, got "
                              f"{self.eps_clip_low}, {self.eps_clip_high}")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"tis_cap={self.tis_cap} must be > 0 (or None to disable)")
+        if self.router_replay not in ROUTER_REPLAY:
+            raise ValueError(f"actor.router_replay={self.router_replay!r}: choose one of "
+                             f"{list(ROUTER_REPLAY)} (rollout: the engine's experts, R3; old: the "
+                             "old-log-prob pass's; off)")
 
     @property
     def loss_aggregation(self) -> str:

@@ -59,8 +59,10 @@ _last = _LastPacks()
 
 def global_counts(batch: RolloutBatch, rows: torch.Tensor, norm_tokens: Optional[int]) -> dict:
     """The aggregation constants of the mini-batch `rows`, the same on every rank and, for
-    Dr. GRPO's `norm_tokens` (None where the aggregation needs none), every step."""
-    return dict(global_tokens=batch.loss_mask[rows].sum(), global_seqs=len(rows), max_len=norm_tokens)
+    Dr. GRPO's `norm_tokens` (None where the aggregation needs none), every step. A rollout
+    correction may reject every token of a mini-batch: its loss is then 0, not 0 / 0."""
+    return dict(global_tokens=batch.loss_mask[rows].sum().clamp(min=1), global_seqs=len(rows),
+                max_len=norm_tokens)
 
 
 def mean_over_steps(batch: RolloutBatch, batching: BatchingConfig,

@@ -1,6 +1,11 @@
-"""MoE router replay: record each token's top-k experts while computing old log-probs, and route
-the update's forwards through exactly those experts, so the update starts from the policy that
-produced `old_logprobs` even where a router's top-k is a near tie.
+"""MoE router replay: route a forward through given experts, and record the experts each
+router used.
+
+The update replays either the rollout engine's routing (R3: the experts that sampled each token)
+or the routing recorded in the old-log-prob pass, so it starts from the policy whose log-probs
+the loss compares against, even where a router's top-k is a near tie. Recording what the routers
+used in the old-log-prob pass, replayed or not, is what the routing-mismatch metric compares
+with the engine's.
 
 Owns the per-layer recording, storing it in the batch as [N, L, layers, k] (input-token aligned,
 -1 where nothing was routed), independent of micro-batching and parallel layout, and setting each
@@ -9,7 +14,7 @@ router calls them in its top-k); megarl attaches one per router and drives it pe
 Does not own which experts a router picks otherwise.
 """
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,6 +23,19 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megarl.actor.packing import PackedMicroBatch, pack_tokens, unpack_tokens
 from megarl.actor.schedule import full_pack
 from megarl.parallel_state import megatron_groups
+
+
+class _Replay(RouterReplay):
+    """Megatron's hook, also keeping the top-k the router used while it replays."""
+    record_used = False
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
+                        default_compute_topk=None):
+        probs, indices = super().get_replay_topk(scores, topk, num_groups, group_topk,
+                                                 default_compute_topk)
+        if self.record_used:
+            self.record_indices(indices)
+        return probs, indices
 
 
 def _unwrapped(chunk) -> torch.nn.Module:
@@ -38,31 +56,58 @@ class RoutingReplay:
         for chunk in chunks:
             self.routers[id(_unwrapped(chunk))] = _routers(chunk)
             for _, router in _routers(chunk):
-                if router.router_replay is None:
-                    router.router_replay = RouterReplay()
+                router.router_replay = _Replay()
         if not any(self.routers.values()) and megatron_groups.pipeline().size == 1:
-            raise ValueError("router_replay is on but the model has no MoE router; turn it off")
+            raise ValueError("router replay needs MoE routers, and this model has none: set "
+                             "actor.router_replay=off")
         # Megatron also lists every instance globally for its static helpers, which megarl does
         # not use; dropping the list keeps finished models collectable.
         RouterReplay.clear_global_router_replay_instances()
         self.recorded: Dict[int, List[torch.Tensor]] = {}
+        self.replaying: Optional[torch.Tensor] = None
+        self.recording = False
 
     def _all(self):
         return [r for routers in self.routers.values() for r in routers]
 
-    def _set_action(self, action):
+    def _set(self, action, record_used: bool) -> None:
         for _, router in self._all():
             router.router_replay.router_replay_action = action
+            router.router_replay.record_used = record_used
 
     def _chunk_routers(self, chunk):
         return self.routers.get(id(_unwrapped(chunk)), [])
 
-    def start_recording(self) -> None:
-        self.recorded = {layer: [] for layer, _ in self._all()}
-        self._set_action(RouterReplayAction.RECORD)
+    def begin(self, replay: Optional[torch.Tensor], record: bool) -> None:
+        """Route the coming forwards through `replay` [N, L, layers, k] (None: the routers' own
+        choice), and record what they use when `record`."""
+        self.replaying, self.recording = replay, record
+        self.recorded = {layer: [] for layer, _ in self._all()} if record else {}
+        self._set(RouterReplayAction.REPLAY_FORWARD if replay is not None else
+                  RouterReplayAction.RECORD if record else None, record)
 
-    def record_around(self, chunk, mb: PackedMicroBatch, forward):
+    def around(self, chunk, mb: PackedMicroBatch, forward):
+        if self.replaying is not None:
+            self._set_targets(chunk, mb)
         output = forward()
+        if self.recording:
+            self._collect(chunk, mb)
+        return output
+
+    def _set_targets(self, chunk, mb: PackedMicroBatch) -> None:
+        tp, tp_rank = megatron_groups.tensor().size, megatron_groups.tensor().rank
+        rows = self.replaying[mb.rows][:, :mb.width]  # [n, W, layers, k]
+        for layer, router in self._chunk_routers(chunk):
+            packed = pack_tokens(rows[:, :, layer], mb, -1)[mb.local_index]  # [t/cp, k]
+            # Padding was never routed, nor is a sample's last token by the engine (it is never
+            # fed back): any valid distinct experts do (nothing downstream reads their output).
+            packed = torch.where(packed < 0, torch.arange(self.topk, dtype=packed.dtype), packed)
+            if chunk.config.sequence_parallel:
+                packed = packed.chunk(tp)[tp_rank]
+            router.router_replay.target_topk_idx = packed.long().to(
+                next(chunk.parameters()).device)
+
+    def _collect(self, chunk, mb: PackedMicroBatch) -> None:
         for layer, router in self._chunk_routers(chunk):
             local = router.router_replay.recorded_topk_idx.to(torch.int32)  # [t/cp/tp, k]
             if chunk.config.sequence_parallel:
@@ -71,43 +116,26 @@ class RoutingReplay:
                 dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
                 local = gathered  # [t/cp, k]
             self.recorded[layer].append(unpack_tokens(full_pack(local, mb).cpu(), mb, -1))
-        return output
 
-    def finish_recording(self, micro_batches: List[PackedMicroBatch], size: int,
-                         width: int) -> torch.Tensor:
-        """[N, L, layers, k] on every rank; stops recording."""
-        self._set_action(None)
+    def end(self, micro_batches: List[PackedMicroBatch], size: int,
+            width: int) -> Optional[torch.Tensor]:
+        """Stops; what the routers used [N, L, layers, k] on every rank when recording (a
+        collective then), else None."""
+        recording, recorded = self.recording, self.recorded
+        self.abort()
+        if not recording:
+            return None
         device = megatron_groups.device()
         # Stored + 1 so that an all-reduce of zeros elsewhere leaves -1 where nothing was routed.
         out = torch.zeros(size, width, self.num_layers, self.topk, dtype=torch.int32, device=device)
         if megatron_groups.tensor().rank == 0 and megatron_groups.context().rank == 0:
-            for layer, per_mb in self.recorded.items():
+            for layer, per_mb in recorded.items():
                 for rows, mb in zip(per_mb, micro_batches):
                     out[mb.rows.to(device), :rows.shape[1], layer] = (rows + 1).to(device)
         dist.all_reduce(out)
-        self.recorded = {}
         return (out - 1).cpu()
 
-    def start_replay(self, routed_experts: torch.Tensor) -> None:
-        if routed_experts is None:
-            raise ValueError("router_replay needs batch.routed_experts: compute old log-probs with "
-                             "the same actor first (Actor.logprobs records the routing)")
-        self.routed_experts = routed_experts
-        self._set_action(RouterReplayAction.REPLAY_FORWARD)
-
-    def replay_around(self, chunk, mb: PackedMicroBatch, forward):
-        tp, tp_rank = megatron_groups.tensor().size, megatron_groups.tensor().rank
-        rows = self.routed_experts[mb.rows][:, :mb.width]  # [n, W, layers, k]
-        for layer, router in self._chunk_routers(chunk):
-            packed = pack_tokens(rows[:, :, layer], mb, -1)[mb.local_index]  # [t/cp, k]
-            # Padding was never routed: any valid distinct experts do (its loss is masked).
-            packed = torch.where(packed < 0, torch.arange(self.topk, dtype=packed.dtype), packed)
-            if chunk.config.sequence_parallel:
-                packed = packed.chunk(tp)[tp_rank]
-            router.router_replay.target_topk_idx = packed.long().to(
-                next(chunk.parameters()).device)
-        return forward()
-
-    def stop_replay(self) -> None:
-        self._set_action(None)
-        self.routed_experts = None
+    def abort(self) -> None:
+        """Stops without a collective (a forward failed)."""
+        self._set(None, False)
+        self.replaying, self.recording = None, False

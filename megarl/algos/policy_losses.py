@@ -1,12 +1,12 @@
 """Policy-gradient losses: per-token loss [B, T] and per-token clip indicator [B, T].
 
-Owns PPO (clip-higher, dual-clip), GSPO, CISPO, their registry, and truncated importance-sampling
-weights against the rollout engine's log-probs. Does not own reducing tokens to a scalar
-(aggregation.py) or computing log-probs (vocab_parallel.py).
+Owns PPO (clip-higher, dual-clip), GSPO, CISPO and their registry. Does not own reducing tokens
+to a scalar (aggregation.py), computing log-probs (vocab_parallel.py) or the importance weights
+against the rollout engine (rollout_correction.py).
 
 Every loss takes the same keyword-only arguments, so `POLICY_LOSSES[name](**inputs)` works for any
 name; `dual_clip` is PPO's alone and the others ignore it. Losses and indicators are 0 on masked
-tokens. `is_weights` [B, T] (see `truncated_is_weights`) multiplies the loss, never the indicator.
+tokens. `is_weights` [B, T] (rollout_correction.apply) multiplies the loss, never the indicator.
 """
 
 from typing import Callable, Dict, Optional, Tuple
@@ -14,13 +14,6 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
-
-
-def truncated_is_weights(old_logprobs: torch.Tensor,  # [B, T] trainer's log-probs at rollout time
-                         rollout_logprobs: torch.Tensor,  # [B, T] the rollout engine's
-                         cap: float) -> torch.Tensor:
-    """min(pi_old / pi_rollout, cap) [B, T], detached: corrects for the engine's numerics."""
-    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
 
 
 def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_clip_low: float,

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+ROUTING = ("rollout_routing", "old_routing")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,10 @@ class RolloutBatch:
     values: Optional[torch.Tensor] = None  # [N, L] the critic before this step's update
     advantages: Optional[torch.Tensor] = None  # [N, L]
     returns: Optional[torch.Tensor] = None  # [N, L] value targets
-    routed_experts: Optional[torch.Tensor] = None  # [N, L, layers, k] int32 expert ids, -1 = none
+    # MoE routing [N, L, layers, k] int32 expert ids, input-token aligned (column i: the experts
+    # token i went through in each layer), -1 where nothing was routed (padding, dense layers)
+    rollout_routing: Optional[torch.Tensor] = None  # the rollout engine's, as it sampled
+    old_routing: Optional[torch.Tensor] = None  # the trainer's, in the old-log-prob pass
 
     def __post_init__(self):
         n, width = self.tokens.shape
@@ -43,6 +47,11 @@ class RolloutBatch:
             value = getattr(self, name)
             if value is not None and value.shape != (n, width):
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected ({n}, {width})")
+        for name in ROUTING:
+            value = getattr(self, name)
+            if value is not None and (value.dim() != 4 or value.shape[:2] != (n, width)):
+                raise ValueError(f"{name} has shape {tuple(value.shape)}, expected ({n}, {width}, "
+                                 "layers, top-k)")
         beyond = torch.arange(width)[None, :] >= self.lengths[:, None]
         if bool(self.loss_mask[:, 0].any()) or bool((self.loss_mask.bool() & beyond).any()):
             raise ValueError("loss_mask must be 0 on column 0 (nothing predicts the first token) and "

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
+from megarl.algos import mismatch
 from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch, load_hf_config
 from megarl.models.param_layout import weight_slots
@@ -51,11 +52,12 @@ def all_samples(mine: List[RolloutSample]) -> List[RolloutSample]:
     return samples
 
 
-def checking_actor(chunks: List[torch.nn.Module], arch: ModelArch) -> Actor:
+def checking_actor(chunks: List[torch.nn.Module], arch: ModelArch, router_replay: str = "off") -> Actor:
     """An Actor over `chunks` for its log-probs only (it never steps). The interleaved pipeline
     schedule needs at least as many micro-batches as pipeline stages."""
     pp = megatron_groups.pipeline().size
-    return Actor(chunks, arch, ActorConfig(batching=BatchingConfig(micro_batches=pp)))
+    return Actor(chunks, arch, ActorConfig(batching=BatchingConfig(micro_batches=pp),
+                                           router_replay=router_replay))
 
 
 def actor_logprob_diff(actor: Actor, samples: List[RolloutSample]) -> float:
@@ -64,6 +66,22 @@ def actor_logprob_diff(actor: Actor, samples: List[RolloutSample]) -> float:
     ours = actor.logprobs(batch).old_logprobs  # [N, L]
     sampled = batch.loss_mask.bool()
     return float((ours.double() - batch.rollout_logprobs.double())[sampled].abs().max())
+
+
+def routing_replay_report(chunks: List[torch.nn.Module], arch: ModelArch,
+                          samples: List[RolloutSample]) -> dict:
+    """{router replay "off" and "rollout" (R3): the max |rollout - actor| log-prob difference over
+    the sampled tokens, and how often the experts the actor used differ from the engine's
+    (algos/mismatch.py)}, for samples from an engine started with return_routing. Collective."""
+    batch = to_batch(samples, rewards=torch.zeros(len(samples)))
+    sampled = batch.loss_mask.bool()
+    report = {}
+    for mode in ("off", "rollout"):
+        scored = checking_actor(chunks, arch, router_replay=mode).logprobs(batch)
+        diff = (scored.old_logprobs.double() - batch.rollout_logprobs.double())[sampled].abs()
+        report[mode] = {"max_abs_logprob_diff": float(diff.max()),
+                        **mismatch.routing_mismatch(batch.rollout_routing, scored.old_routing)}
+    return report
 
 
 def export_synced(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,

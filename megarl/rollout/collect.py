@@ -42,6 +42,26 @@ def _all_samples(engine: RolloutEngine, producer: SampleProducer, prompts: List[
     return sorted(every, key=lambda s: s.prompt_index)  # stable: keeps each prompt's sample order
 
 
+def _routing(samples: List[RolloutSample], width: int):
+    """The engine's routing [N, width, layers, k] (-1 where none; input-token aligned), or None
+    when the engine returned none."""
+    given = [s.routed_experts is not None for s in samples]
+    if not any(given):
+        return None
+    if not all(given):
+        raise RuntimeError(f"the engine returned routing for {sum(given)} of {len(samples)} samples")
+    first = samples[0].routed_experts
+    out = torch.full((len(samples), width, *first.shape[1:]), -1, dtype=first.dtype)
+    for row, s in enumerate(samples):
+        fed = len(s.prompt_ids) + len(s.response_ids) - 1  # the last sampled token is never fed
+        if s.routed_experts.shape != (fed, *first.shape[1:]):
+            raise RuntimeError(f"sample {row}: routing {tuple(s.routed_experts.shape)} for {fed} "
+                               f"tokens fed through the engine; expected ({fed}, "
+                               f"{', '.join(map(str, first.shape[1:]))})")
+        out[row, :fed] = s.routed_experts
+    return out
+
+
 def to_batch(samples: List[RolloutSample], rewards: torch.Tensor) -> RolloutBatch:
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])
     width = int(lengths.max())
@@ -55,7 +75,15 @@ def to_batch(samples: List[RolloutSample], rewards: torch.Tensor) -> RolloutBatc
         rollout_logprobs[row, p:p + r] = s.logprobs
     return RolloutBatch(tokens=tokens, lengths=lengths, loss_mask=mask,
                         group_ids=torch.tensor([s.prompt_index for s in samples]),
-                        rewards=rewards, rollout_logprobs=rollout_logprobs)
+                        rewards=rewards, rollout_logprobs=rollout_logprobs,
+                        rollout_routing=_routing(samples, width))
+
+
+def _widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """[N, L, ...] right-padded with `fill` to [N, width, ...]."""
+    out = tensor.new_full((tensor.shape[0], width, *tensor.shape[2:]), fill)
+    out[:, :tensor.shape[1]] = tensor
+    return out
 
 
 def collect(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
@@ -76,9 +104,12 @@ def _concat(parts: List[Collected]) -> Collected:
     """Rounds of rollouts as one, rows right-padded to the widest; group ids of later rounds are
     offset past the earlier rounds' prompts (`prompts_per_round` each)."""
     width = max(p.batch.width for p in parts)
-    rows = [torch.nn.functional.pad(p.batch.tokens, (0, width - p.batch.width)) for p in parts]
-    padded = {name: torch.cat([torch.nn.functional.pad(getattr(p.batch, name), (0, width - p.batch.width))
-                               for p in parts]) for name in ("loss_mask", "rollout_logprobs")}
+    rows = [_widen(p.batch.tokens, width, 0) for p in parts]
+    padded = {name: torch.cat([_widen(getattr(p.batch, name), width, 0) for p in parts])
+              for name in ("loss_mask", "rollout_logprobs")}
+    if parts[0].batch.rollout_routing is not None:
+        padded["rollout_routing"] = torch.cat([_widen(p.batch.rollout_routing, width, -1)
+                                               for p in parts])
     offset = 0
     group_ids = []
     for p in parts:
@@ -107,6 +138,7 @@ def keep_informative(parts: List[Collected], groups: int) -> Collected:
     kept = batch.select(rows)
     width = int(kept.lengths.max())
     kept = kept.with_fields(**{name: getattr(kept, name)[:, :width]
-                               for name in ("tokens", "loss_mask", "rollout_logprobs")})
+                               for name in ("tokens", "loss_mask", "rollout_logprobs", "rollout_routing")
+                               if getattr(kept, name) is not None})
     return Collected(kept, [merged.responses[i] for i in rows.tolist()], merged.reward_failures,
                      merged.first_reward_error, merged.truncated)

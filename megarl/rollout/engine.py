@@ -40,6 +40,9 @@ class RolloutSample:
     logprobs: torch.Tensor          # [R] log-prob of each response token under the sampler
     prompt_index: int               # which prompt of the request this sample answers
     finish_reason: str = ""
+    # [P + R - 1, layers, k] int16 expert ids of every token the engine fed through its layers
+    # (all but the last sampled one), -1 in dense layers; engines started with return_routing
+    routed_experts: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

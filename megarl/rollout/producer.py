@@ -2,8 +2,10 @@
 
 Owns the SampleProducer protocol, the built-in producer (one completion per sample) and resolving
 `generation.producer` to one. A producer gets this engine's share of the prompts and returns the
-samples of all of them (`sampling.n` each, `prompt_index` into the prompts it was given). Does not
-own splitting prompts over engines or gathering samples (collect.py).
+samples of all of them (`sampling.n` each, `prompt_index` into the prompts it was given); a
+producer that edits a sample's tokens keeps its `routed_experts` (when the engine returned them)
+one row per token fed through the engine. Does not own splitting prompts over engines or
+gathering samples (collect.py).
 """
 
 from typing import Callable, Dict, List, Protocol, Sequence

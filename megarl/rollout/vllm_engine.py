@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megarl.parallel_state import device_choice
 from megarl.rollout import vllm_cpu_fixes
 from megarl.rollout.engine import Placement, RolloutSample, SamplingConfig, WeightLayout, WeightUpdateReport
+from megarl.rollout.vllm_routing import RoutingCapture, routing_of
 from megarl.rollout.vllm_weights import InPlaceWriter
 
 
@@ -50,9 +51,11 @@ class VLLMEngine:
     def __init__(self, hf_dir: str, rollout_tp: int = 1, dtype: str = "float32",
                  max_model_len: Optional[int] = None, kv_cache_gib: int = 1, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, rollout_ep: int = 1,
-                 load_format: str = "dummy"):
+                 load_format: str = "dummy", return_routing: bool = False):
         """`load_format` "dummy": random weights until the first sync (the run's path); "auto"
-        reads `hf_dir`'s weights on every rank (for an engine used without a sync)."""
+        reads `hf_dir`'s weights on every rank (for an engine used without a sync).
+        `return_routing`: each sample carries the experts its tokens were routed to (MoE models;
+        vllm_routing.py). Its prompt is then computed for every sample: no prefix cache."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         check_engine_ep(rollout_tp, rollout_ep)
@@ -63,6 +66,8 @@ class VLLMEngine:
         # In-process engine: the worker lives in this process, so weight updates are plain
         # function calls on tensors already in memory.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if return_routing:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner megarl captures routing on
         if not device_choice.on_gpu():
             # Without it each engine reserves nearly all RAM for its KV cache.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
@@ -82,11 +87,13 @@ class VLLMEngine:
             tensor_parallel_size=rollout_tp, enable_expert_parallel=rollout_ep > 1,
             max_model_len=max_model_len, load_format=load_format,
             enforce_eager=not device_choice.on_gpu(), gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=device_choice.on_gpu(), **kwargs,
+            enable_sleep_mode=device_choice.on_gpu(), enable_prefix_caching=not return_routing,
+            **kwargs,
         )
         self._asleep = set()  # of "weights", "kv_cache": what release_memory put to sleep
         model, config = self.llm.collective_rpc(_model_and_config)[0]
         self._writer = InPlaceWriter(model, config)
+        self._routing = self.llm.collective_rpc(_routing_capture)[0] if return_routing else None
 
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
         self._require_awake("generate", ["weights", "kv_cache"])
@@ -98,8 +105,11 @@ class VLLMEngine:
             top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
             stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
         )
+        if self._routing is not None:
+            self._routing.start()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                     params, use_tqdm=False)
+        found = self._routing.take() if self._routing is not None else None
         samples = []
         for index, output in enumerate(outputs):
             for completion in output.outputs:
@@ -110,6 +120,8 @@ class VLLMEngine:
                     response_ids=list(completion.token_ids),
                     logprobs=torch.tensor(chosen, dtype=torch.float32),
                     prompt_index=index, finish_reason=completion.finish_reason or "",
+                    routed_experts=None if found is None else routing_of(
+                        found, list(output.prompt_token_ids), list(completion.token_ids)),
                 ))
         return samples
 
@@ -177,6 +189,10 @@ class VLLMEngine:
 
 def _model_and_config(worker):
     return worker.model_runner.get_model(), worker.model_runner.model_config
+
+
+def _routing_capture(worker) -> RoutingCapture:
+    return RoutingCapture(worker.model_runner)
 
 
 def _reload_hf(worker, tensors) -> WeightUpdateReport:

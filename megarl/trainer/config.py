@@ -98,6 +98,9 @@ class GenerationConfig:
     producer: str = "completion"  # how samples are produced: built-in name or module:function
     kv_cache_gib: int = 1  # CPU: vLLM's KV cache size
     gpu_memory_utilization: float = 0.5  # GPU: vLLM's share of each device (weights + KV cache)
+    # MoE: the engine returns each token's experts, for the routing-mismatch metric (always on
+    # with actor.router_replay=rollout, which replays them)
+    return_routing: bool = False
 
     def __post_init__(self):
         if not 0 < self.gpu_memory_utilization < 1:
@@ -192,6 +195,10 @@ class RunConfig:
     @property
     def actor_config(self) -> ActorConfig:
         return replace(self.actor, norm_tokens=self.actor.norm_tokens or self.generation.max_new_tokens)
+
+    @property
+    def engine_returns_routing(self) -> bool:
+        return self.generation.return_routing or self.actor.router_replay == "rollout"
 
     @property
     def critic_config(self) -> CriticConfig:

@@ -85,6 +85,9 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
     dims = layout.dims()
     hf_config = load_hf_config(config.model.hf_dir)
     arch = arch_from_hf_config(hf_config)
+    if config.engine_returns_routing and not arch.num_experts:
+        raise ValueError(f"generation.return_routing / actor.router_replay=rollout need a MoE model; "
+                         f"{arch.family} routes nothing: turn them off")
     resume_from = checkpoint.resolve(config.run_dir, resume)
     # Refuse checkpoints this run cannot use before anything is built.
     if resume_from:
@@ -117,7 +120,8 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
     engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, rollout_ep=layout.rollout_ep,
                         seed=config.seed, dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
                         gpu_memory_utilization=gen.gpu_memory_utilization,
-                        max_model_len=data.max_prompt_len + gen.max_new_tokens)
+                        max_model_len=data.max_prompt_len + gen.max_new_tokens,
+                        return_routing=config.engine_returns_routing)
     sampler = PromptSampler(len(prompts.prompts), data.prompts_per_step, data.seed)
     states = [actor.state] + ([critic.state] if critic is not None else [])
     source = ColocatedRollouts(config, engine, load_producer(gen.producer), tokenizer, prompts.prompts,
@@ -162,7 +166,8 @@ def step(run: Run, number: int) -> StepResult:
                              reference=actor.reference is not None, critic=critic is not None,
                              actor_epochs=config.actor.batching.epochs,
                              critic_epochs=config.critic.batching.epochs)
-    metrics = {**step_metrics(rollouts.collected, batch, config.algo, actor_metrics, critic_metrics, timer),
+    metrics = {**step_metrics(rollouts.collected, batch, config.algo, config.actor, actor_metrics,
+                              critic_metrics, timer),
                **rollouts.metrics,
                **flops.throughput_metrics(flops.step_flops(run.arch, phases), timer.seconds,
                                           config.layout.world_size, run.device),

@@ -1,10 +1,13 @@
-"""What one step reports: rewards, response lengths, the rollout/trainer log-prob gap, KL to the
+"""What one step reports: rewards, response lengths, the rollout/trainer gap (log-probs, and MoE
+routing where the engine returned it) and what the rollout correction did about it, KL to the
 reference, the update's metrics, phase times, throughput and memory. Pure reads of the trained
 batch and the phases' results; the largest rank's peak memory is the one collective.
 Does not own writing metrics (metrics.py) or FLOP counting (flops.py)."""
 
 import torch
 
+from megarl.actor.config import ActorConfig
+from megarl.algos import mismatch, rollout_correction
 from megarl.algos.kl import kl
 from megarl.batch.rollout_batch import RolloutBatch
 from megarl.parallel_state import megatron_groups
@@ -13,10 +16,13 @@ from megarl.trainer.config import AlgoConfig
 from megarl.trainer.metrics import PhaseTimer
 
 
-def rollout_mismatch(batch: RolloutBatch) -> dict:
-    mask = batch.loss_mask.bool()
-    diff = (batch.old_logprobs - batch.rollout_logprobs)[mask].abs()
-    return {"rollout/logprob_diff_mean": float(diff.mean()), "rollout/logprob_diff_max": float(diff.max())}
+def rollout_mismatch(batch: RolloutBatch, actor: ActorConfig) -> dict:
+    out = {**mismatch.logprob_mismatch(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask),
+           **rollout_correction.summary(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                                        actor.rollout_correction.correction)}
+    if batch.rollout_routing is not None and batch.old_routing is not None:
+        out.update(mismatch.routing_mismatch(batch.rollout_routing, batch.old_routing))
+    return out
 
 
 def kl_to_reference(batch: RolloutBatch, algo: AlgoConfig) -> dict:
@@ -33,15 +39,15 @@ def max_over_ranks(value: int) -> int:
     return int(tensor.item())
 
 
-def step_metrics(collected: Collected, batch: RolloutBatch, algo: AlgoConfig, actor_metrics: dict,
-                 critic_metrics: dict, timer: PhaseTimer) -> dict:
+def step_metrics(collected: Collected, batch: RolloutBatch, algo: AlgoConfig, actor: ActorConfig,
+                 actor_metrics: dict, critic_metrics: dict, timer: PhaseTimer) -> dict:
     """`batch` is the trained one (collected.batch with log-probs, values and advantages)."""
     return {
         "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
         "reward/failures": collected.reward_failures,
         "response/length_mean": float(batch.loss_mask.sum(1).mean()),
         "response/truncated": collected.truncated,
-        **rollout_mismatch(batch), **kl_to_reference(batch, algo),
+        **rollout_mismatch(batch, actor), **kl_to_reference(batch, algo),
         **{f"actor/{k}": v for k, v in actor_metrics.items()},
         **{f"critic/{k}": v for k, v in critic_metrics.items()},
         **{f"time/{k}": v for k, v in timer.seconds.items()},

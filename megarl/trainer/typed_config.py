@@ -54,6 +54,9 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
             raise ValueError(f"{path} must be a number, got {value!r}") from None
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if kind is str and isinstance(value, bool):
+        raise ValueError(f"{path} must be a string, got {value!r}: YAML reads off/on/no/yes as "
+                         f"booleans, so quote the word (\"off\")")
     if kind in (int, str, bool) and type(value) is not kind:
         raise ValueError(f"{path} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
     return value

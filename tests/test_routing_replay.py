@@ -1,0 +1,25 @@
+"""Rollout routing replay (R3) end to end: a bf16 MoE trained at EP2, synced into vLLM at rollout
+TP2, the engine returning each token's experts (megarl/rollout/vllm_routing.py), the actor
+scoring the samples with router replay off and rollout (scripts/verify_sync.py --routing).
+
+With R3 the actor routes every token through the engine's experts: the fraction of (token,
+layer) pairs routed differently is exactly 0, and the largest log-prob difference is no larger
+than without it. Without replay the engine's routing, aligned to the trainer's tokens, mostly
+agrees with the trainer's own (a shift of one column would make nearly every pair differ).
+"""
+
+import json
+
+from tests.launch import last_json, run
+
+
+def test_r3_routes_as_the_engine_did_and_narrows_the_gap(hf_models):
+    proc = run("scripts/verify_sync.py", "--hf-dir", hf_models["qwen3_moe"], "--ep", "2",
+               "--rollout-tp", "2", "--dtype", "bfloat16", "--routing", "--prompts", "8",
+               "--max-new-tokens", "16", "--max-logprob-diff", "1", nproc=2, timeout=900)
+    report = last_json(proc)["routing"]
+    print(json.dumps(report))  # the figures docs/PERFORMANCE.md quotes (pytest -s shows them)
+    off, r3 = report["off"], report["rollout"]
+    assert r3["routing/topk_diff_fraction"] == 0.0 and r3["routing/tokens_diff_fraction"] == 0.0
+    assert r3["max_abs_logprob_diff"] <= off["max_abs_logprob_diff"], report
+    assert off["routing/topk_diff_fraction"] < 0.2, report
