@@ -135,13 +135,18 @@ def verified_sync(hf_models):
 
 @pytest.fixture(scope="session")
 def megatron_models(hf_models, tmp_path_factory):
+    """Every model converted by the converter script's own function, one launch per world size
+    (tests/test_conversion.py runs the script itself)."""
+    import json
+
     root = tmp_path_factory.mktemp("megatron")
-    out = {}
-    for name, hf_dir in hf_models.items():
-        out[name] = str(root / name)
-        run("scripts/convert_hf_to_megatron.py", "--hf-dir", hf_dir, "--out", out[name],
-            nproc=2 if name in TWO_RANK_CONVERSION else 1)
-        assert os.path.isfile(os.path.join(out[name], "megarl_model.json"))
+    out = {name: str(root / name) for name in hf_models}
+    for nproc in (1, 2):
+        jobs = [["hf_to_megatron", hf_models[name], out[name]] for name in hf_models
+                if (name in TWO_RANK_CONVERSION) == (nproc == 2)]
+        run("tests/workers/convert_models.py", "--jobs", json.dumps(jobs), nproc=nproc, timeout=900)
+    for path in out.values():
+        assert os.path.isfile(os.path.join(path, "megarl_model.json"))
     return out
 
 

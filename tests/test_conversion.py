@@ -1,7 +1,6 @@
 """HF -> Megatron -> HF with the user-facing scripts: bit-exact for every family and variant,
 on one rank and on two; the exported checkpoint loads in transformers; bad input is refused."""
 
-import functools
 import json
 import os
 
@@ -11,27 +10,34 @@ import torch
 from tests.conftest import MODELS
 from tests.launch import last_json, load_script, run
 
+# Exported by scripts/convert_megatron_to_hf.py itself, one per world size; the others by its
+# function, one launch per world size (tests/workers/convert_models.py: a launch costs more here
+# than a tiny conversion). The export's world is the opposite of the import side's, mostly.
+BY_THE_SCRIPT = {"qwen3_moe": 1, "glm4_moe": 2}
+
 
 @pytest.fixture(scope="module")
 def exported(megatron_models, tmp_path_factory):
-    """exported(model): the HF export of the model's Megatron conversion, made once (the round trip
-    and the transformers check read the same export)."""
+    """{model: the HF export of its Megatron conversion}, made once (the round trip and the
+    transformers check read the same export)."""
     root = tmp_path_factory.mktemp("exported")
-
-    @functools.lru_cache(maxsize=None)
-    def export(model):
-        out = str(root / model)
-        nproc = 1 if model in ("qwen3_moe", "llama") else 2  # the opposite of the import side, mostly
-        run("scripts/convert_megatron_to_hf.py", "--megatron-dir", megatron_models[model],
-            "--out", out, nproc=nproc)
-        return out
-
-    return export
+    out = {model: str(root / model) for model in MODELS}
+    batched = {1: [], 2: []}
+    for model in MODELS:
+        nproc = 1 if model in ("qwen3_moe", "llama") else 2
+        if model in BY_THE_SCRIPT:
+            run("scripts/convert_megatron_to_hf.py", "--megatron-dir", megatron_models[model],
+                "--out", out[model], nproc=BY_THE_SCRIPT[model])
+        else:
+            batched[nproc].append(["megatron_to_hf", megatron_models[model], out[model]])
+    for nproc, jobs in batched.items():
+        run("tests/workers/convert_models.py", "--jobs", json.dumps(jobs), nproc=nproc, timeout=900)
+    return out
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_round_trip_is_bit_exact(model, hf_models, exported):
-    out = exported(model)
+    out = exported[model]
     # scripts/compare_hf_checkpoints.py's comparison, in this process (launching it took 4 of a
     # case's 10 s; tests/test_loop.py and tests/test_slurm.py run the script itself)
     result = load_script("compare_hf_checkpoints").compare(hf_models[model], out)
@@ -44,7 +50,7 @@ def test_round_trip_is_bit_exact(model, hf_models, exported):
 def test_exported_checkpoint_loads_in_transformers(hf_models, exported):
     import transformers
 
-    out = exported("mixtral")  # exported with 2 ranks
+    out = exported["mixtral"]  # exported with 2 ranks
     tokens = torch.arange(20).reshape(2, 10)
     logits = [transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)(tokens).logits
               for d in (hf_models["mixtral"], out)]

@@ -3,8 +3,11 @@ size, vocabulary size, layers, experts and top-k, tied or untied embeddings, and
 DeepSeek-style families' routing groups, dense layers, shared experts, MTP, MLA and RoPE), one
 and two ranks:
 bit-exact every time. The draw is seeded, so a failure names a case that reproduces;
-MEGARL_FUZZ_CASES=N widens the sweep beyond the CI default."""
+MEGARL_FUZZ_CASES=N widens the sweep beyond the CI default. The converter scripts' own functions
+convert every case, one launch per direction and world size (tests/workers/convert_models.py:
+a launch costs more here than a tiny conversion; tests/test_conversion.py runs the scripts)."""
 
+import json
 import os
 import random
 
@@ -72,16 +75,33 @@ def deepseek_style(rng: random.Random, family: str, fields: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("seed", range(CASES))
-def test_random_config_round_trip_is_bit_exact(seed, tmp_path):
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory):
+    """{seed: (family, fields, HF dir, HF dir after Megatron and back)}; converted to Megatron at
+    the case's world size, back at the other one where the layers split evenly."""
     from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
 
-    family, fields, nproc = random_config(seed)
-    hf = make_tiny_checkpoint(family, str(tmp_path / "hf"), seed=seed, **fields)
-    run("scripts/convert_hf_to_megatron.py", "--hf-dir", hf, "--out", str(tmp_path / "megatron"),
-        nproc=nproc)
-    run("scripts/convert_megatron_to_hf.py", "--megatron-dir", str(tmp_path / "megatron"),
-        "--out", str(tmp_path / "back"), nproc=3 - nproc if fields["num_hidden_layers"] % 2 == 0 else 1)
+    root = tmp_path_factory.mktemp("fuzz")
+    cases, there, back = {}, {1: [], 2: []}, {1: [], 2: []}
+    for seed in range(CASES):
+        family, fields, nproc = random_config(seed)
+        hf = make_tiny_checkpoint(family, str(root / f"{seed}_hf"), seed=seed, **fields)
+        megatron, again = str(root / f"{seed}_megatron"), str(root / f"{seed}_back")
+        there[nproc].append(["hf_to_megatron", hf, megatron])
+        back[3 - nproc if fields["num_hidden_layers"] % 2 == 0 else 1].append(
+            ["megatron_to_hf", megatron, again])
+        cases[seed] = (family, fields, hf, again)
+    for jobs in (there, back):
+        for nproc, work in jobs.items():
+            if work:
+                run("tests/workers/convert_models.py", "--jobs", json.dumps(work), nproc=nproc,
+                    timeout=900)
+    return cases
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_random_config_round_trip_is_bit_exact(seed, round_trips):
+    family, fields, hf, back = round_trips[seed]
     # scripts/compare_hf_checkpoints.py's comparison, in this process (its launch: a fifth of a case)
-    result = load_script("compare_hf_checkpoints").compare(hf, str(tmp_path / "back"))
+    result = load_script("compare_hf_checkpoints").compare(hf, back)
     assert result["bit_exact"], (family, fields, result)
