@@ -66,6 +66,9 @@ def main():
                         help="MoE: the engine returns each token's experts; report, for router "
                              "replay off and rollout (R3), the log-prob difference and the fraction "
                              "of (token, layer) pairs routed differently (key 'routing')")
+    parser.add_argument("--no-router-fp32", action="store_true",
+                        help="MoE gates in the model's dtype in both actor and engine (default: fp32, "
+                             "as model.router_fp32)")
     parser.add_argument("--export", default=None, metavar="DIR",
                         help="write DIR/hf (the perturbed actor, HF format) and DIR/samples.json "
                              "(the samples generated after the sync)")
@@ -76,12 +79,14 @@ def main():
                         vpp=args.vpp)
     megatron_groups.initialize(dims, seed=args.seed)
     arch = load_arch(args.hf_dir, args.dtype)
-    chunks = build_model(arch, dims, perform_initialization=False)
+    overrides = {"moe_router_dtype": None} if args.no_router_fp32 else {}
+    chunks = build_model(arch, dims, perform_initialization=False, **overrides)
     load_hf_weights(chunks, arch, args.hf_dir)
     verify.perturb(chunks, arch, args.perturb, args.seed)
 
     engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, rollout_ep=args.rollout_ep,
-                        dtype=arch.dtype, seed=args.seed, return_routing=args.routing)
+                        dtype=arch.dtype, seed=args.seed, return_routing=args.routing,
+                        router_fp32=not args.no_router_fp32)
     prompts = verify.fixed_prompts(arch.vocab_size, args.prompts, args.seed)
     mine = [prompts[i] for i in engine.placement.share(len(prompts))]
     sampling = verify.default_sampling(args.max_new_tokens, args.seed)
@@ -104,6 +109,9 @@ def main():
                   "measured_peak_bytes", "largest_tensor_bytes")}}
     if args.routing:
         result["routing"] = verify.routing_replay_report(chunks, arch, samples)
+        # what the engine's MoE gates compute in (fp32 unless --no-router-fp32)
+        result["routing"]["engine_gate_dtypes"] = sorted(
+            {str(t.dtype) for name, t in engine.live_weights().items() if name.endswith(".gate.weight")})
     if args.export:
         verify.export_synced(chunks, arch, args.hf_dir, samples, args.export)
     if args.loader_parity:

@@ -1,6 +1,8 @@
 """Rollout routing replay (R3) end to end: a bf16 MoE trained at EP2, synced into vLLM at rollout
 TP2, the engine returning each token's experts (megarl/rollout/vllm_routing.py), the actor
-scoring the samples with router replay off and rollout (scripts/verify_sync.py --routing).
+scoring the samples with router replay off and rollout (scripts/verify_sync.py --routing). Both
+sides route in fp32 (model.router_fp32's default): the engine's gates too, though vLLM builds
+Qwen3-MoE's in the model's dtype (megarl/rollout/vllm_fp32_router.py).
 
 With R3 the actor routes every token through the engine's experts: the fraction of (token,
 layer) pairs routed differently is exactly 0, and the largest log-prob difference is no larger
@@ -19,6 +21,7 @@ def test_r3_routes_as_the_engine_did_and_narrows_the_gap(hf_models):
                "--max-new-tokens", "16", "--max-logprob-diff", "1", nproc=2, timeout=900)
     report = last_json(proc)["routing"]
     print(json.dumps(report))  # the figures docs/PERFORMANCE.md quotes (pytest -s shows them)
+    assert report["engine_gate_dtypes"] == ["torch.float32"], report
     off, r3 = report["off"], report["rollout"]
     assert r3["routing/topk_diff_fraction"] == 0.0 and r3["routing/tokens_diff_fraction"] == 0.0
     assert r3["max_abs_logprob_diff"] <= off["max_abs_logprob_diff"], report

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel_state import device_choice
-from megarl.rollout import vllm_cpu_fixes
+from megarl.rollout import vllm_cpu_fixes, vllm_fp32_router
 from megarl.rollout.engine import Placement, RolloutSample, SamplingConfig, WeightLayout, WeightUpdateReport
 from megarl.rollout.vllm_routing import RoutingCapture, routing_of
 from megarl.rollout.vllm_weights import InPlaceWriter
@@ -51,11 +51,14 @@ class VLLMEngine:
     def __init__(self, hf_dir: str, rollout_tp: int = 1, dtype: str = "float32",
                  max_model_len: Optional[int] = None, kv_cache_gib: int = 1, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, rollout_ep: int = 1,
-                 load_format: str = "dummy", return_routing: bool = False):
+                 load_format: str = "dummy", return_routing: bool = False,
+                 router_fp32: bool = True):
         """`load_format` "dummy": random weights until the first sync (the run's path); "auto"
         reads `hf_dir`'s weights on every rank (for an engine used without a sync).
         `return_routing`: each sample carries the experts its tokens were routed to (MoE models;
-        vllm_routing.py). Its prompt is then computed for every sample: no prefix cache."""
+        vllm_routing.py). Its prompt is then computed for every sample: no prefix cache.
+        `router_fp32`: MoE gates compute logits and top-k in fp32, as the trainer's do
+        (model.router_fp32; vllm_fp32_router.py)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         check_engine_ep(rollout_tp, rollout_ep)
@@ -82,14 +85,16 @@ class VLLMEngine:
             # No data_parallel_size: vLLM then treats the world's groups of rollout_tp ranks as
             # independent engines (its parallel_state builds every group within one engine).
             kwargs = dict(distributed_executor_backend="external_launcher")
-        self.llm = LLM(
-            model=hf_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
-            tensor_parallel_size=rollout_tp, enable_expert_parallel=rollout_ep > 1,
-            max_model_len=max_model_len, load_format=load_format,
-            enforce_eager=not device_choice.on_gpu(), gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=device_choice.on_gpu(), enable_prefix_caching=not return_routing,
-            **kwargs,
-        )
+        with vllm_fp32_router.fp32_gates(router_fp32):
+            self.llm = LLM(
+                model=hf_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                tensor_parallel_size=rollout_tp, enable_expert_parallel=rollout_ep > 1,
+                max_model_len=max_model_len, load_format=load_format,
+                enforce_eager=not device_choice.on_gpu(),
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=device_choice.on_gpu(), enable_prefix_caching=not return_routing,
+                **kwargs,
+            )
         self._asleep = set()  # of "weights", "kv_cache": what release_memory put to sleep
         model, config = self.llm.collective_rpc(_model_and_config)[0]
         self._writer = InPlaceWriter(model, config)

@@ -121,7 +121,8 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
                         seed=config.seed, dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
                         gpu_memory_utilization=gen.gpu_memory_utilization,
                         max_model_len=data.max_prompt_len + gen.max_new_tokens,
-                        return_routing=config.engine_returns_routing)
+                        return_routing=config.engine_returns_routing,
+                        router_fp32=config.model.router_fp32)
     sampler = PromptSampler(len(prompts.prompts), data.prompts_per_step, data.seed)
     states = [actor.state] + ([critic.state] if critic is not None else [])
     source = ColocatedRollouts(config, engine, load_producer(gen.producer), tokenizer, prompts.prompts,
