@@ -7,11 +7,12 @@ import os
 from typing import List
 
 
-def _lines(ax, steps: List[int], rows: List[dict], keys, title: str, log: bool = False) -> None:
-    """One line per key that the run logged."""
+def _lines(ax, steps: List[int], rows: List[dict], keys, title: str, log: bool = False,
+           missing: float = float("nan")) -> None:
+    """One line per key that the run logged, `missing` at the steps that did not log it."""
     for key in keys:
         if any(key in r for r in rows):
-            ax.plot(steps, [r.get(key, float("nan")) for r in rows], label=key.split("/", 1)[1])
+            ax.plot(steps, [r.get(key, missing) for r in rows], label=key.split("/", 1)[1])
     if log:
         ax.set_yscale("log")  # from fp32's 1e-7 to bf16's tenths
     ax.set_title(title)
@@ -37,12 +38,7 @@ def plot_run(run_dir: str) -> str:
         ax.set_title(title)
         ax.set_xlabel("step")
     phases = sorted({k for r in rows for k in r if k.startswith("time/")})
-    ax = axes.flat[4]
-    for key in phases:
-        ax.plot(steps, [r.get(key, 0.0) for r in rows], label=key[len("time/"):])
-    ax.set_title("seconds per phase")
-    ax.set_xlabel("step")
-    ax.legend(fontsize=7)
+    _lines(axes.flat[4], steps, rows, phases, "seconds per phase", missing=0.0)
     _lines(axes.flat[3], steps, rows, ("mismatch/logprob_diff_max", "mismatch/logprob_diff_p99",
                                        "mismatch/kl_k3"), "rollout vs trainer log-probs", log=True)
     _lines(axes.flat[5], steps, rows, ("routing/topk_diff_fraction", "correction/masked_fraction",
