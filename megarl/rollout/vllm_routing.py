@@ -66,14 +66,14 @@ class RoutingCapture:
 
     def take(self) -> Dict[Tuple[int, ...], np.ndarray]:
         """Stop; {every request's token ids, positions 0.. in order: their routing
-        [tokens, layers, k] int32}. Requests whose every position was computed only."""
+        [tokens, layers, k] int16}. Requests whose every position was computed only."""
         self.recording = False
         found = {}
         for tokens, routed in self.requests.values():
             if sorted(tokens) != list(range(len(tokens))):
                 continue  # a position came from a cache: not this request's own forward
             found[tuple(tokens[p] for p in range(len(tokens)))] = np.stack(
-                [routed[p] for p in range(len(tokens))]).astype(np.int32)
+                [routed[p] for p in range(len(tokens))]).astype(np.int16)
         self.requests = {}
         return found
 
@@ -87,4 +87,4 @@ def routing_of(found: Dict[Tuple[int, ...], np.ndarray], prompt: List[int],
         raise RuntimeError(f"no captured routing for a sample of {len(prompt)} prompt and "
                            f"{len(response)} response tokens: the engine computed its tokens "
                            "elsewhere (prefix cache?) or the capture was not started")
-    return torch.from_numpy(found[key].astype(np.int16))
+    return torch.from_numpy(found[key])
