@@ -21,6 +21,8 @@ TIERS = {
     "test_algos_losses": UNIT,
     "test_algos_rollout_correction": UNIT,
     "test_algos_shaping": UNIT,
+    "test_algos_staleness": UNIT,
+    "test_async_rollout": E2E,  # rollout ranks of their own: real vLLM, the loop under torchrun
     "test_algos_vocab_parallel": (UNIT, {"test_two_rank_gloo_group_matches_full_log_softmax": DISTRIBUTED}),
     "test_architecture": UNIT,
     "test_checkpoint_extra_state": (DISTRIBUTED, {"test_only_extra_state_may_be_on_one_side_fuzzed": UNIT,
@@ -59,6 +61,7 @@ TIERS = {
     "test_source_layout": UNIT,
     "test_source_layout_live": DISTRIBUTED,
     "test_spec_keys": DISTRIBUTED,  # Megatron models at TP2 over gloo
+    "test_streaming_rollout": E2E,  # partial rollouts on a real vLLM engine
     "test_trainer_checkpoint": UNIT,
     "test_trainer_flops": UNIT,
     "test_typed_config": UNIT,

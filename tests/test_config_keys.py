@@ -3,6 +3,7 @@ command-line overrides users write) equals the list below, so renaming or removi
 breaks users' configs and commands, is a deliberate change that shows in review."""
 
 import dataclasses
+import keyword
 import typing
 
 import pytest
@@ -17,7 +18,7 @@ KEYS = [
     "layout.world_size", "layout.tp", "layout.pp", "layout.cp", "layout.ep", "layout.etp", "layout.vpp",
     "layout.first_stage_layers", "layout.last_stage_layers",
     "layout.rollout_tp",
-    "layout.rollout_ep", "layout.sync_bucket_mb",
+    "layout.rollout_ep", "layout.sync_bucket_mb", "layout.rollout_world_size",
     "generation.samples_per_prompt", "generation.temperature", "generation.top_p",
     "generation.max_new_tokens", "generation.producer", "generation.kv_cache_gib",
     "generation.gpu_memory_utilization", "generation.return_routing",
@@ -43,22 +44,25 @@ KEYS = [
     "critic.optim.adam_beta2", "critic.optim.adam_eps", "critic.optim.clip_grad",
     "critic.optim.use_distributed_optimizer",
     "checkpoint.every", "checkpoint.keep", "checkpoint.export_hf",
+    "async.max_staleness", "async.partial_rollout", "async.max_engine_restarts",
 ]
 
 
 def dotted_keys(cls, prefix: str = ""):
-    """The leaves of a frozen dataclass tree as dotted keys; a section (a field whose type is a
-    dataclass, Optional or not) contributes its own keys under its name."""
+    """The leaves of a frozen dataclass tree as dotted keys, as YAML spells them (a keyword's field
+    `async_` is the key `async`); a section (a field whose type is a dataclass, Optional or not)
+    contributes its own keys under its name."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
+        key = f.name[:-1] if keyword.iskeyword(f.name[:-1]) else f.name
         if typing.get_origin(kind) is typing.Union:
             inner = [a for a in typing.get_args(kind) if a is not type(None)]
             kind = inner[0] if len(inner) == 1 else kind
         if dataclasses.is_dataclass(kind):
-            yield from dotted_keys(kind, f"{prefix}{f.name}.")
+            yield from dotted_keys(kind, f"{prefix}{key}.")
         else:
-            yield f"{prefix}{f.name}"
+            yield f"{prefix}{key}"
 
 
 def test_config_keys_are_the_frozen_list():

@@ -34,6 +34,9 @@ class RolloutBatch:
     # token i went through in each layer), -1 where nothing was routed (padding, dense layers)
     rollout_routing: Optional[torch.Tensor] = None  # the rollout engine's, as it sampled
     old_routing: Optional[torch.Tensor] = None  # the trainer's, in the old-log-prob pass
+    # [N, L] long: the policy version that sampled each response token (asynchronous rollouts),
+    # -1 elsewhere
+    rollout_versions: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         n, width = self.tokens.shape
@@ -43,7 +46,7 @@ class RolloutBatch:
         if int(self.lengths.min()) < 2 or int(self.lengths.max()) > width:
             raise ValueError(f"sequence lengths must lie in [2, {width}] (a prompt token and a response "
                              f"token at least), got {int(self.lengths.min())}..{int(self.lengths.max())}")
-        for name in ("loss_mask",) + PER_TOKEN:
+        for name in ("loss_mask", "rollout_versions") + PER_TOKEN:
             value = getattr(self, name)
             if value is not None and value.shape != (n, width):
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected ({n}, {width})")

@@ -1,7 +1,7 @@
 """What every rank of a training layout holds, as resharding Pieces, computed without a model.
 
 Owns the arithmetic that mirrors, for megarl's models, what `metadata.all_pieces(
-metadata.local_pieces(chunks, arch)[0])` reports in a live run: Megatron-Core's rank order
+metadata.local_pieces(chunks, arch, rank)[0], links)` reports in a live run: Megatron-Core's rank order
 (its default "tp-cp-ep-dp-pp": TP ranks vary fastest, pipeline stages slowest; experts fold
 expert-TP x EP x expert-DP x PP over the same ranks), megarl's even split of the layers over
 pipeline stages and virtual stages (interleaved: chunk c = vp_stage * pp + pp_rank holds the c-th
@@ -182,7 +182,7 @@ def check_layout(arch: ModelArch, dims: ParallelDims) -> None:
 def layout_pieces(arch: ModelArch, dims: ParallelDims, dtype: Optional[str] = None,
                   role: str = "policy") -> Tuple[Piece, ...]:
     """Every rank's pieces in layout `dims`, by rank, then in weight_tables.entries order: the
-    set metadata.all_pieces(metadata.local_pieces(chunks, arch, role)[0]) gathers in a live run
+    set metadata.all_pieces(metadata.local_pieces(chunks, arch, rank, role)[0], links) gathers in a live run
     (its order within a rank is the model's parameter order). `dtype` is the parameters' dtype
     as Piece spells it ("torch.bfloat16", or "bfloat16"); None: the model's (arch.dtype), which
     is what build_model uses."""

@@ -1,6 +1,8 @@
 """sync_weights: the actor's newest weights into the rollout engine, in buckets, verified.
 
-The one public call of megarl.resharding. Collective over the training world. Each rank
+The one public call of megarl.resharding. Collective over its Links: the training world when the
+engines are colocated, the trainer-rollout bridge when they are disaggregated (the sources are
+then the trainer ranks, the destination the rollout ranks from the layout's first_rank). Each rank
 receives only the bytes of its own engine shard, point to point, and writes them straight into
 the engine's tensors (see plan.py and transport.py); the metadata exchange and the plan happen
 once per layout pair, not once per sync.
@@ -9,13 +11,13 @@ once per layout pair, not once per sync.
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megarl.models.hf_config import ModelArch
 from megarl.parallel_state import device_memory
+from megarl.parallel_state.links import Links, WorldLinks
 from megarl.resharding import destination, metadata, transport
 from megarl.resharding.plan import Plan, build_plan
 from megarl.rollout.engine import WeightDestination, WeightLayout, check_update
@@ -60,17 +62,21 @@ def node_of_ranks(world: int) -> Tuple[int, ...]:
 
 @torch.no_grad()
 def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightDestination,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, links: Optional[Links] = None) -> SyncReport:
+    """`chunks`: this rank's Megatron chunks (none on a rollout rank); `engine`: what this rank
+    writes into (on a trainer rank of a disaggregated job, a destination holding nothing);
+    `links`: the ranks of the sync (None: the default world)."""
     start = time.perf_counter()
-    device = next(chunks[0].parameters()).device
-    mine, local = metadata.local_pieces(chunks, arch)
-    pieces = metadata.all_pieces(mine, device)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    layout = layout_tensors(arch, engine.weight_layout())
-    plan = build_plan(pieces, tuple(sorted(layout.items())), bucket_bytes, node_of_ranks(world))
+    links = links or WorldLinks()
+    rank = links.rank
+    mine, local = metadata.local_pieces(chunks, arch, rank)
+    pieces = metadata.all_pieces(mine, links)
+    weight_layout = engine.weight_layout()
+    layout = {weight_layout.first_rank + r: tensors
+              for r, tensors in layout_tensors(arch, weight_layout).items()}
+    plan = build_plan(pieces, tuple(sorted(layout.items())), bucket_bytes, node_of_ranks(links.size))
     with device_memory.measured() as measured:  # the engine's finishing work (repacking) too
-        peak, messages = _stream(plan, engine, local, rank, device)
+        peak, messages = _stream(plan, engine, local, links)
         report = check_update(engine.finish_weight_update())
     module_bytes: Dict[str, int] = {}
     for tensor in plan.tensors.get(rank, ()):
@@ -86,8 +92,9 @@ def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightD
 
 
 def _stream(plan: Plan, engine: WeightDestination, local: Dict[Tuple[str, int], torch.Tensor],
-            rank: int, device: torch.device) -> Tuple[int, int]:
+            links: Links) -> Tuple[int, int]:
     """Every bucket into the engine, in plan order; returns (planned peak extra bytes, messages)."""
+    rank = links.rank
     mine = {t.name: t for t in plan.tensors.get(rank, ())}
     engine.begin_weight_update({name: t.shape for name, t in mine.items()})
     peak = messages = 0
@@ -98,7 +105,7 @@ def _stream(plan: Plan, engine: WeightDestination, local: Dict[Tuple[str, int], 
             if mine[name].covered < mine[name].numel:  # padding rows nothing writes
                 targets[name].zero_()
         opened = sum(t.numel() * t.element_size() for t in targets.values())
-        buffers, sent = transport.exchange(rounds, rank, local, targets, device)
+        buffers, sent = transport.exchange(rounds, links, local, targets)
         del targets
         engine.close_tensors(names)
         peak, messages = max(peak, opened + buffers), messages + sent

@@ -2,20 +2,20 @@
 
 A large slab of rows goes as its own message straight from the source parameter into the
 destination tensor (no copy on either side, `Copy.direct`); the rest a rank sends to one peer is
-packed into one flat buffer per dtype. All messages of a round are posted at once
-(torch.distributed.batch_isend_irecv: NCCL on GPU, gloo on CPU). Copies whose source and
-destination are the same rank, and unpacking, are written as one batched copy per round
-(torch._foreach_copy_), not one call per slab. Each rank runs only its own share of the plan
-(Plan.rank_work). Memory in flight: this rank's buffers of one round (plan.py keeps them within
-the bucket size).
+packed into one flat buffer per dtype. All messages of a round are posted at once over the
+sync's Links (the training world, or the trainer-rollout bridge: parallel_state/links.py).
+Copies whose source and destination are the same rank, and unpacking, are written as one
+batched copy per round (torch._foreach_copy_), not one call per slab. Each rank runs only its
+own share of the plan (Plan.rank_work). Memory in flight: this rank's buffers of one round
+(plan.py keeps them within the bucket size).
 """
 
 from typing import Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megarl.models.hf_config import DTYPES
+from megarl.parallel_state.links import Links
 from megarl.resharding.plan import Copy
 
 _DTYPES = {str(dtype): dtype for dtype in DTYPES.values()}  # Piece.dtype -> torch.dtype
@@ -32,13 +32,13 @@ def _target(copy: Copy, targets: Dict[str, torch.Tensor]) -> torch.Tensor:
     return tensor.narrow(copy.dim, copy.dst_start, copy.length)
 
 
-def exchange(rounds: Tuple[Tuple[Copy, ...], ...], rank: int, local: Dict[Tuple[str, int], torch.Tensor],
-             targets: Dict[str, torch.Tensor], device: torch.device) -> Tuple[int, int]:
+def exchange(rounds: Tuple[Tuple[Copy, ...], ...], links: Links, local: Dict[Tuple[str, int], torch.Tensor],
+             targets: Dict[str, torch.Tensor]) -> Tuple[int, int]:
     """Fill this rank's `targets` with its copies of one bucket (`Plan.rank_work(rank)[bucket]`),
     round by round; returns (most bytes of buffers allocated at once, messages this rank sent)."""
     peak = messages = 0
     for copies in rounds:
-        allocated, sent = _exchange_round(copies, rank, local, targets, device)
+        allocated, sent = _exchange_round(copies, links, local, targets)
         peak, messages = max(peak, allocated), messages + sent
     return peak, messages
 
@@ -49,46 +49,46 @@ def _copy_all(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         torch._foreach_copy_([t for t, _ in pairs], [s for _, s in pairs])
 
 
-def _exchange_round(round_copies: Tuple[Copy, ...], rank: int,
-                    local: Dict[Tuple[str, int], torch.Tensor], targets: Dict[str, torch.Tensor],
-                    device: torch.device) -> Tuple[int, int]:
+def _exchange_round(round_copies: Tuple[Copy, ...], links: Links,
+                    local: Dict[Tuple[str, int], torch.Tensor],
+                    targets: Dict[str, torch.Tensor]) -> Tuple[int, int]:
+    rank, device = links.rank, links.device
     sends: Dict[Tuple[int, str], List[Copy]] = {}
     recvs: Dict[Tuple[int, str], List[Copy]] = {}
-    ops, received, staged, writes = [], [], [], []
+    outgoing, incoming, received, staged, writes = [], [], [], [], []
     for copy in round_copies:
         if copy.src == rank == copy.dst:
             writes.append((_target(copy, targets), _source(copy, local)))
         elif copy.src == rank and copy.direct:
-            ops.append(dist.P2POp(dist.isend, _source(copy, local), copy.dst))
+            outgoing.append((_source(copy, local), copy.dst))
         elif copy.dst == rank and copy.direct:
             target = _target(copy, targets)
             if target.dtype != _DTYPES[copy.dtype]:  # the engine casts: receive, then copy
                 staged.append((target, torch.empty(target.shape, dtype=_DTYPES[copy.dtype], device=device)))
                 target = staged[-1][1]
-            ops.append(dist.P2POp(dist.irecv, target, copy.src))
+            incoming.append((target, copy.src))
         elif copy.src == rank:
             sends.setdefault((copy.dst, copy.dtype), []).append(copy)
         elif copy.dst == rank:
             recvs.setdefault((copy.src, copy.dtype), []).append(copy)
     _copy_all(writes)
-    if not ops and not sends and not recvs:
+    if not outgoing and not incoming and not sends and not recvs:
         return 0, 0
     allocated = sum(buffer.numel() * buffer.element_size() for _, buffer in staged)
     for (peer, _), copies in sends.items():
         flat = torch.cat([_source(c, local).reshape(-1) for c in copies])
-        ops.append(dist.P2POp(dist.isend, flat, peer))
+        outgoing.append((flat, peer))
         allocated += flat.numel() * flat.element_size()
     for (peer, dtype), copies in recvs.items():
         flat = torch.empty(sum(c.numel for c in copies), dtype=_DTYPES[dtype], device=device)
-        ops.append(dist.P2POp(dist.irecv, flat, peer))
+        incoming.append((flat, peer))
         received.append((copies, flat))
         allocated += flat.numel() * flat.element_size()
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
+    links.exchange(outgoing, incoming)
     writes = list(staged)
     for copies, flat in received:
         for copy, part in zip(copies, flat.split([c.numel for c in copies])):
             target = _target(copy, targets)
             writes.append((target, part.view(target.shape)))
     _copy_all(writes)
-    return allocated, sum(op.op is dist.isend for op in ops)
+    return allocated, len(outgoing)

@@ -62,6 +62,21 @@ def _routing(samples: List[RolloutSample], width: int):
     return out
 
 
+def _versions(samples: List[RolloutSample], width: int):
+    """Each response token's policy version [N, width] (-1 elsewhere), or None when the samples
+    carry none (synchronous rollouts)."""
+    if all(s.versions is None for s in samples):
+        return None
+    out = torch.full((len(samples), width), -1, dtype=torch.int64)
+    for row, s in enumerate(samples):
+        if s.versions is None or s.versions.shape != (len(s.response_ids),):
+            raise RuntimeError(f"sample {row}: versions "
+                               f"{None if s.versions is None else tuple(s.versions.shape)} for "
+                               f"{len(s.response_ids)} response tokens")
+        out[row, len(s.prompt_ids):len(s.prompt_ids) + len(s.response_ids)] = s.versions
+    return out
+
+
 def to_batch(samples: List[RolloutSample], rewards: torch.Tensor) -> RolloutBatch:
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples])
     width = int(lengths.max())
@@ -76,7 +91,8 @@ def to_batch(samples: List[RolloutSample], rewards: torch.Tensor) -> RolloutBatc
     return RolloutBatch(tokens=tokens, lengths=lengths, loss_mask=mask,
                         group_ids=torch.tensor([s.prompt_index for s in samples]),
                         rewards=rewards, rollout_logprobs=rollout_logprobs,
-                        rollout_routing=_routing(samples, width))
+                        rollout_routing=_routing(samples, width),
+                        rollout_versions=_versions(samples, width))
 
 
 def _widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
@@ -89,7 +105,11 @@ def _widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
 def collect(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
             sampling: SamplingConfig, tokenizer, reward_fn: RewardFn) -> Collected:
     """Collective over the world: every rank returns the same batch."""
-    samples = _all_samples(engine, producer, prompts, sampling)
+    return scored(_all_samples(engine, producer, prompts, sampling), prompts, tokenizer, reward_fn)
+
+
+def scored(samples: List[RolloutSample], prompts: List[Prompt], tokenizer, reward_fn: RewardFn) -> Collected:
+    """The samples (answering `prompts`, by prompt_index) decoded, scored and laid out."""
     empty = [s for s in samples if not s.response_ids]
     if empty:
         raise RuntimeError(f"{len(empty)} samples have empty responses; raise max_new_tokens or check "

@@ -43,6 +43,9 @@ class RolloutSample:
     # [P + R - 1, layers, k] int16 expert ids of every token the engine fed through its layers
     # (all but the last sampled one), -1 in dense layers; engines started with return_routing
     routed_experts: Optional[torch.Tensor] = None
+    # [R] int64 the policy version (training steps behind its weights) that sampled each response
+    # token; streamed (asynchronous) rollouts only
+    versions: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,14 @@ class WeightLayout:
     """How a weight destination holds the model: `format` "vllm" (each rank its engine's own
     parameters: fused QKV and gate/up, fused experts, padded vocabulary; engines of `tp`
     consecutive ranks, experts split over an engine's ranks when `ep` == tp) or "hf" (whole HF
-    tensors, on rank 0 only). megarl.resharding.destination turns it into every rank's tensors."""
+    tensors, on rank 0 only). megarl.resharding.destination turns it into every rank's tensors.
+    `first_rank`: the sync's rank of the destination's rank 0 (0 colocated; the first rollout
+    rank on the trainer-rollout bridge)."""
     format: str
     world: int
     tp: int = 1
     ep: int = 1
+    first_rank: int = 0
 
 
 class WeightDestination(Protocol):
@@ -116,6 +122,30 @@ class RolloutEngine(WeightDestination, Protocol):
         the next generate. Updates and generation refuse to run into released memory."""
 
     def shutdown(self) -> None:
+        ...
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A streamed request's response so far (since it was submitted)."""
+    request_id: str
+    token_ids: List[int]
+    logprobs: List[float]
+    finished: bool
+    finish_reason: str = ""
+
+
+class StreamingEngine(RolloutEngine, Protocol):
+    """An engine driven one scheduler step at a time: what asynchronous rollout needs to interrupt
+    requests at a weight update (megarl/rollout/async_generation.py)."""
+
+    def submit(self, request_id: str, prompt_ids: List[int], sampling: SamplingConfig) -> None:
+        """Queue one sample (sampling.n must be 1)."""
+
+    def step(self) -> List[Progress]:
+        """One scheduler step; the requests that progressed."""
+
+    def abort(self, request_ids: Sequence[str]) -> None:
         ...
 
 

@@ -19,7 +19,14 @@ import torch.distributed as dist
 
 from megarl.parallel_state import device_choice
 from megarl.rollout import vllm_cpu_fixes, vllm_fp32_router
-from megarl.rollout.engine import Placement, RolloutSample, SamplingConfig, WeightLayout, WeightUpdateReport
+from megarl.rollout.engine import (
+    Placement,
+    Progress,
+    RolloutSample,
+    SamplingConfig,
+    WeightLayout,
+    WeightUpdateReport,
+)
 from megarl.rollout.vllm_routing import RoutingCapture, routing_of
 from megarl.rollout.vllm_weights import InPlaceWriter
 
@@ -52,20 +59,21 @@ class VLLMEngine:
                  max_model_len: Optional[int] = None, kv_cache_gib: int = 1, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, rollout_ep: int = 1,
                  load_format: str = "dummy", return_routing: bool = False,
-                 router_fp32: bool = True):
+                 router_fp32: bool = True, sync_first_rank: int = 0):
         """`load_format` "dummy": random weights until the first sync (the run's path); "auto"
         reads `hf_dir`'s weights on every rank (for an engine used without a sync).
         `return_routing`: each sample carries the experts its tokens were routed to (MoE models;
         vllm_routing.py). Its prompt is then computed for every sample: no prefix cache.
         `router_fp32`: MoE gates compute logits and top-k in fp32, as the trainer's do
-        (model.router_fp32; vllm_fp32_router.py)."""
+        (model.router_fp32; vllm_fp32_router.py). `sync_first_rank`: this engine world's rank 0
+        in the weight sync's ranks (the first rollout rank on a trainer-rollout bridge)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         check_engine_ep(rollout_tp, rollout_ep)
         # Ranks of one engine must pass the same prompts; its first rank reports the samples.
         self.placement = Placement(engines=rollout_groups(world, rollout_tp), engine_rank=rank // rollout_tp,
                                    leader=rank % rollout_tp == 0)
-        self.layout = WeightLayout("vllm", world, rollout_tp, rollout_ep)
+        self.layout = WeightLayout("vllm", world, rollout_tp, rollout_ep, sync_first_rank)
         # In-process engine: the worker lives in this process, so weight updates are plain
         # function calls on tensors already in memory.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -102,14 +110,9 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
         self._require_awake("generate", ["weights", "kv_cache"])
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
-            stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
-        )
+        params = _params(sampling)
         if self._routing is not None:
             self._routing.start()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
@@ -130,6 +133,31 @@ class VLLMEngine:
                 ))
         return samples
 
+    def submit(self, request_id: str, prompt_ids: List[int], sampling: SamplingConfig) -> None:
+        self._require_awake("generate", ["weights", "kv_cache"])
+        if sampling.n != 1:
+            raise ValueError(f"a streamed request is one sample; got n={sampling.n}")
+        if self._routing is not None:
+            raise ValueError("streamed requests do not return routing yet: start the engine without "
+                             "return_routing")
+        from vllm.inputs import TokensPrompt
+
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                                        _params(sampling))
+
+    def step(self) -> List[Progress]:
+        progressed = []
+        for output in self.llm.llm_engine.step():
+            (completion,) = output.outputs
+            progressed.append(Progress(
+                output.request_id, list(completion.token_ids),
+                [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)],
+                output.finished, completion.finish_reason or ""))
+        return progressed
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.llm.llm_engine.abort_request(list(request_ids))
+
     def weight_layout(self) -> WeightLayout:
         return self.layout
 
@@ -145,8 +173,14 @@ class VLLMEngine:
 
     def finish_weight_update(self) -> WeightUpdateReport:
         report = self._writer.finish()
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._reset_prefix_cache()
         return report
+
+    def _reset_prefix_cache(self) -> None:
+        """Cached KV blocks were computed with the old weights: none may serve a new request."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not empty its prefix cache after a weight update: requests "
+                               "still hold KV blocks of the old weights (abort them before the update)")
 
     def live_weights(self) -> Dict[str, torch.Tensor]:
         """A host copy of every parameter as the kernels hold it (after vLLM's processing)."""
@@ -160,7 +194,9 @@ class VLLMEngine:
         do not generate after it."""
         self._require_awake("weight update", ["weights"])
         tensors = list(named_tensors)
-        return self.llm.collective_rpc(_reload_hf, args=(tensors,))[0]
+        report = self.llm.collective_rpc(_reload_hf, args=(tensors,))[0]
+        self._reset_prefix_cache()
+        return report
 
     def release_memory(self) -> None:
         """GPU: vLLM sleep mode level 1 (weights to host, KV cache dropped). The CPU platform
@@ -188,6 +224,16 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self.llm = None
+
+
+def _params(sampling: SamplingConfig):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
+        stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
+    )
 
 
 # Functions below run inside the vLLM worker (same process, via collective_rpc).

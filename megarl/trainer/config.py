@@ -12,6 +12,7 @@ from megarl.algos.kl import KL_ESTIMATORS
 from megarl.critic.config import CriticConfig
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rollout.prompts import OVERLONG
+from megarl.rollout.streaming import INTERRUPTS
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class LayoutConfig:
     last_stage_layers: Optional[int] = None
     rollout_tp: int = 1
     rollout_ep: int = 1   # 1, or rollout_tp: each engine splits its experts over its ranks
+    # 0: the engines run on the training ranks (the hybrid engine). N: on N ranks of their own
+    # (launch world_size + N processes; the first world_size train), one engine of rollout_tp
+    # ranks, weights pushed over a trainer-rollout bridge.
+    rollout_world_size: int = 0
     # the weight sync's bucket (opened engine modules per rank; its round buffers are bounded
     # alike): larger buckets let PP stages send at once (docs/PERFORMANCE.md, cluster scale)
     sync_bucket_mb: int = 256
@@ -61,6 +66,14 @@ class LayoutConfig:
         if self.sync_bucket_mb < 1:
             raise ValueError(f"layout.sync_bucket_mb={self.sync_bucket_mb} must be >= 1 (MiB per rank; "
                              "256 is the default)")
+        if self.rollout_world_size and self.rollout_world_size != self.rollout_tp:
+            raise ValueError(f"layout.rollout_world_size={self.rollout_world_size}: rollout ranks of their "
+                             f"own run one engine of layout.rollout_tp={self.rollout_tp} ranks; set them "
+                             "equal (several engines on rollout ranks are not built yet), or 0 to colocate")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.rollout_world_size > 0
 
     def dims(self) -> ParallelDims:
         """The training layout, validated (raises naming the degrees that do not fit)."""
@@ -155,6 +168,28 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
+class AsyncConfig:
+    """Off-policy steps (rollout ranks of their own: layout.rollout_world_size). YAML key `async`."""
+    # Rollouts for the next steps are generated while a step trains, with weights at most this many
+    # versions (steps) older than the trainer's; 0 is the synchronous loop.
+    max_staleness: int = 0
+    # Requests in flight at a weight update: "continue" with the new weights from the tokens so far
+    # (partial rollout), or "restart" them from their prompt.
+    partial_rollout: str = "continue"
+    # A rollout engine process that dies is replaced (and gets the current weights) this many
+    # times in a run before the run ends.
+    max_engine_restarts: int = 3
+
+    def __post_init__(self):
+        if self.max_staleness < 0:
+            raise ValueError(f"async.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
+        if self.max_engine_restarts < 0:
+            raise ValueError(f"async.max_engine_restarts={self.max_engine_restarts} must be >= 0")
+        if self.partial_rollout not in INTERRUPTS:
+            raise ValueError(f"async.partial_rollout={self.partial_rollout!r}; choose one of {INTERRUPTS}")
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0  # save every N steps and after the last one (0: never)
     keep: int = 2  # complete checkpoints kept; older ones are deleted after a save
@@ -179,6 +214,7 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)  # YAML: async (a Python keyword)
     # Hybrid-engine handoff: also move the training weights off the device while vLLM generates
     # (optimizer states and gradients always move).
     offload_params: bool = False
@@ -189,6 +225,20 @@ class RunConfig:
     def __post_init__(self):
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
+        if not self.layout.disaggregated:
+            if self.async_.max_staleness:
+                raise ValueError(f"async.max_staleness={self.async_.max_staleness} needs rollout ranks of "
+                                 "their own (layout.rollout_world_size > 0): colocated engines cannot "
+                                 "generate while their ranks train")
+            return
+        refused = {"algo.dynamic_sampling_rounds": self.algo.dynamic_sampling_rounds,
+                   "offload_params": self.offload_params,
+                   "generation.return_routing / actor.router_replay=rollout": self.engine_returns_routing}
+        for key, value in refused.items():
+            if value:
+                raise ValueError(f"{key}={value} is not built for rollout ranks of their own "
+                                 f"(layout.rollout_world_size={self.layout.rollout_world_size}); turn it "
+                                 "off or colocate the engines (rollout_world_size 0)")
 
     # Dr. GRPO's constant is the generation budget unless set: fixed for the run, whatever the
     # widths of its batches.

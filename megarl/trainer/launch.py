@@ -1,9 +1,10 @@
 """Ray as the distributed engine: one worker per device slot, together one torch.distributed
 world running megarl.trainer.loop.train.
 
-The driver reserves `world_size` slots in a placement group (a CPU each here, a GPU and a CPU
-each on a GPU cluster), packed, numbers the ranks node by node (placement.py: a TP group or a
-rollout engine that would span two nodes is refused), starts one worker per slot with the
+The driver reserves world_size + rollout_world_size slots in a placement group (a CPU each here,
+a GPU and a CPU each on a GPU cluster), packed, numbers the ranks node by node (placement.py: a
+TP group or a rollout engine that would span two nodes is refused; with rollout ranks of their
+own, the first world_size ranks train and the rest roll out), starts one worker per slot with the
 torch.distributed environment (rank, world, local rank, master address and port) and the
 driver's NCCL/device settings (worker_env.py), and waits for all of them. `ray.init()` starts a
 local cluster when there is none; `ray_address` joins an existing one (e.g. the one a Slurm job
@@ -81,21 +82,24 @@ def _results(ray, refs: list, run_dir: str, inbox) -> dict:
 
 def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optional[str] = None,
            verbose: bool = False) -> dict:
-    """Run the loop on `config.layout.world_size` Ray workers; returns rank 0's last metrics.
-    `verbose`: every worker's output forwarded to this terminal, as Ray does by default."""
+    """Run the loop on `config.layout.world_size` Ray workers (plus layout.rollout_world_size
+    rollout workers); returns rank 0's last metrics. `verbose`: every worker's output forwarded to
+    this terminal, as Ray does by default."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    world = config.layout.world_size
+    layout = config.layout
+    world = layout.world_size + layout.rollout_world_size
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=verbose)
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     slot = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
     available = ray.cluster_resources().get("GPU" if gpus else "CPU", 0)
     if available < world:
-        raise ValueError(f"layout.world_size={world} needs {world} {'GPUs' if gpus else 'CPUs'}; the Ray "
-                         f"cluster has {available:g}. Lower layout.world_size or add nodes.")
+        raise ValueError(f"layout.world_size={layout.world_size} + layout.rollout_world_size="
+                         f"{layout.rollout_world_size} needs {world} {'GPUs' if gpus else 'CPUs'}; the Ray "
+                         f"cluster has {available:g}. Lower them or add nodes.")
     group = placement_group([slot] * world, strategy="PACK")
     ray.get(group.ready())
     env = worker_env(os.environ, gpus)
@@ -107,9 +111,11 @@ def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optiona
         nodes = ray.get([w.node.remote() for w in workers])
         order = placement.ranks_by_node(nodes)
         workers, nodes = [workers[i] for i in order], [nodes[i] for i in order]
-        placement.check_groups_within_nodes(nodes, {
-            "tensor-parallel group": config.layout.tp,
-            "rollout engine": RolloutLayout(config.layout.rollout_tp, config.layout.rollout_ep).size})
+        engine = {"rollout engine": RolloutLayout(layout.rollout_tp, layout.rollout_ep).size}
+        trainers, rollouts = nodes[:layout.world_size], nodes[layout.world_size:]
+        placement.check_groups_within_nodes(
+            trainers, {"tensor-parallel group": layout.tp, **({} if layout.disaggregated else engine)})
+        placement.check_groups_within_nodes(rollouts, engine)
         master, port = ray.get(workers[0].address.remote())
         local_ranks = [nodes[:rank].count(node) for rank, node in enumerate(nodes)]
         ray.get([w.setup.remote(rank, world, local_ranks[rank], nodes.count(nodes[rank]), master, port)

@@ -1,10 +1,13 @@
 """The RL loop, one step per iteration:
 generate -> reward -> old/ref log-probs, values -> advantages -> actor/critic update -> sync.
 
-Every rank runs `train` (SPMD): the processes come from torchrun or from Ray (launch.py). Each
-phase is one named call, timed under its name. It orchestrates and computes nothing itself: where
-rollouts come from is a RolloutSource (rollout_source.py), how samples are produced a
-SampleProducer (megarl/rollout/producer.py), both chosen once in `setup`.
+Every rank runs `train` (SPMD): the processes come from torchrun or from Ray (launch.py). With
+rollout ranks of their own (layout.rollout_world_size), those keep an engine process serving
+rollouts instead (engine_supervisor.py, rollout_server.py) and the rest train. Each phase is one
+named call, timed under its name. It orchestrates and computes nothing itself: where rollouts
+come from is a RolloutSource (colocated: rollout_source.py; disaggregated:
+disaggregated_rollouts.py), how samples are produced a SampleProducer
+(megarl/rollout/producer.py), both chosen once in `setup`.
 """
 
 import json
@@ -19,7 +22,7 @@ from megarl.models import checkpoint as model_checkpoint
 from megarl.models.builder import build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.models.hf_io import load_hf_weights
-from megarl.parallel_state import device_memory, megatron_groups
+from megarl.parallel_state import device_memory, megatron_groups, roles
 from megarl.resharding.hf_export import export_hf
 from megarl.rollout.producer import load_producer
 from megarl.rollout.prompts import PromptSampler, load_prompts
@@ -27,6 +30,8 @@ from megarl.rollout.rewards import load_reward_fn
 from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.trainer import checkpoint, console, flops
 from megarl.trainer.config import AlgoConfig, RunConfig
+from megarl.trainer.disaggregated_rollouts import DisaggregatedRollouts
+from megarl.trainer.engine_supervisor import supervise
 from megarl.trainer.metrics import MetricsLog, PhaseTimer
 from megarl.trainer.plots import plot_run
 from megarl.trainer.rollout_source import ColocatedRollouts, Rollouts, RolloutSource
@@ -71,10 +76,10 @@ class StepResult:
     rollouts: Rollouts  # with the trained batch (log-probs, values, advantages)
 
 
-def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
+def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] = None) -> Tuple[Run, int]:
     """Processes, models, rollout source and data for `config`, restored from the checkpoint
-    `resume` names (None, 'auto' or a path). Returns the run and the last step already done.
-    Collective."""
+    `resume` names (None, 'auto' or a path); `role`: this trainer rank's place in a disaggregated
+    job (None: colocated engines). Returns the run and the last step already done. Collective."""
     import transformers  # slow to import: only where a run starts
 
     layout = config.layout
@@ -117,19 +122,23 @@ def setup(config: RunConfig, resume: Optional[str]) -> Tuple[Run, int]:
     data, gen = config.data, config.generation
     prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.prompt_key, data.answer_key,
                            data.overlong_prompts)
-    engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, rollout_ep=layout.rollout_ep,
-                        seed=config.seed, dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
-                        gpu_memory_utilization=gen.gpu_memory_utilization,
-                        max_model_len=data.max_prompt_len + gen.max_new_tokens,
-                        return_routing=config.engine_returns_routing,
-                        router_fp32=config.model.router_fp32)
     sampler = PromptSampler(len(prompts.prompts), data.prompts_per_step, data.seed)
-    states = [actor.state] + ([critic.state] if critic is not None else [])
-    source = ColocatedRollouts(config, engine, load_producer(gen.producer), tokenizer, prompts.prompts,
-                               sampler, load_reward_fn(config.algo.reward), states)
+    if role is not None:
+        source = DisaggregatedRollouts(config, role, tokenizer, prompts.prompts, sampler,
+                                       load_reward_fn(config.algo.reward))
+    else:
+        engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, rollout_ep=layout.rollout_ep,
+                            seed=config.seed, dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
+                            gpu_memory_utilization=gen.gpu_memory_utilization,
+                            max_model_len=data.max_prompt_len + gen.max_new_tokens,
+                            return_routing=config.engine_returns_routing,
+                            router_fp32=config.model.router_fp32)
+        states = [actor.state] + ([critic.state] if critic is not None else [])
+        source = ColocatedRollouts(config, engine, load_producer(gen.producer), tokenizer, prompts.prompts,
+                                   sampler, load_reward_fn(config.algo.reward), states)
     run = Run(config, arch, hf_config, actor, critic, source, sampler, flops.device_name())
     done = checkpoint.load(run, resume_from) if resume_from else 0
-    source.push_weights(actor_chunks, arch)
+    source.push_weights(actor_chunks, arch, version=done)
     if rank0:
         resumed = f"; resumed from {resume_from} (step {done})" if resume_from else ""
         console.say(f"megarl: {len(prompts.prompts)} prompts ({prompts.dropped_too_long} longer "
@@ -162,13 +171,13 @@ def step(run: Run, number: int) -> StepResult:
         with timer("critic_update"):
             critic_metrics = critic.update(batch)
     with timer("sync"):
-        run.source.push_weights(actor.state.chunks, run.arch)
+        run.source.push_weights(actor.state.chunks, run.arch, version=number)
     phases = flops.rl_phases(rollouts.generated_lengths, batch.lengths.tolist(),
                              reference=actor.reference is not None, critic=critic is not None,
                              actor_epochs=config.actor.batching.epochs,
                              critic_epochs=config.critic.batching.epochs)
     metrics = {**step_metrics(rollouts.collected, batch, config.algo, config.actor, actor_metrics,
-                              critic_metrics, timer),
+                              critic_metrics, timer, trainer_version=number - 1),
                **rollouts.metrics,
                **flops.throughput_metrics(flops.step_flops(run.arch, phases), timer.seconds,
                                           config.layout.world_size, run.device),
@@ -195,8 +204,16 @@ def _report(run: Run, log: MetricsLog, rollouts: Rollouts) -> None:
 
 def train(config: RunConfig, resume: Optional[str] = None) -> dict:
     """Run steps up to config.steps, from the checkpoint `resume` names (None, 'auto' or a path);
-    returns the last step's metrics. Collective."""
-    run, done = setup(config, resume)
+    returns the last step's metrics (a rollout rank returns {}). Collective."""
+    role = None
+    if config.layout.disaggregated:
+        layout = config.layout
+        placement = roles.Placement(layout.world_size, layout.rollout_world_size, config.collective_timeout_s)
+        if placement.role_of(roles.launcher_rank(placement)) == roles.ROLLOUT:
+            supervise(config, placement)
+            return {}
+        role = roles.start(placement, roles.launcher_store(placement))
+    run, done = setup(config, resume, role)
     log = MetricsLog(config.run_dir, config.steps, done + 1, enabled=megatron_groups.is_rank0())
     every = config.checkpoint.every
     result = None

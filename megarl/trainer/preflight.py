@@ -28,7 +28,8 @@ def _check_rollout(config: RunConfig, arch: ModelArch) -> None:
     """Shards vLLM can make at the rollout layout (the same divisibility the sync plan uses)."""
     layout = config.layout
     check_engine_ep(layout.rollout_tp, layout.rollout_ep)
-    check_rollout(arch, RolloutLayout(layout.rollout_tp, layout.rollout_ep), layout.world_size)
+    check_rollout(arch, RolloutLayout(layout.rollout_tp, layout.rollout_ep),
+                  layout.rollout_world_size or layout.world_size)
 
 
 def _check_batching(batching: BatchingConfig, sequences: int, longest: int, dims: ParallelDims,

@@ -1,7 +1,9 @@
-"""Where a step's rollouts come from: the seam where disaggregated, asynchronous rollout plugs in.
+"""Where a step's rollouts come from: the seam where disaggregated, asynchronous rollout plugs in
+(disaggregated_rollouts.py).
 
 Owns the RolloutSource protocol (a step's scored rollouts; the actor's new weights after its
-update) and today's implementation, ColocatedRollouts: the training ranks themselves generate,
+update), the sampling of each step (the same whichever source generates it), and the colocated
+implementation, ColocatedRollouts: the training ranks themselves generate,
 synchronously, with the hybrid-engine memory handoff around generation, DAPO dynamic sampling's
 extra rounds, and a weight sync into the colocated engine. Does not own generation (the engine
 and its sample producer), scoring (collect.py) or what the step does with the rollouts (loop.py).
@@ -37,11 +39,22 @@ class RolloutSource(Protocol):
     def rollouts(self, number: int) -> Rollouts:
         """Step `number`'s scored rollouts. Collective."""
 
-    def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch) -> None:
-        """Make the actor's updated weights (its Megatron chunks) the ones rollouts use next."""
+    def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch, version: int) -> None:
+        """Make the actor's weights (its Megatron chunks) after step `version` (0: the initial
+        ones) the ones rollouts use next. Collective."""
 
     def shutdown(self) -> None:
         ...
+
+
+def step_sampling(config: RunConfig, tokenizer, number: int, round_: int = 0) -> SamplingConfig:
+    """How step `number` samples (its `round_`-th round with dynamic sampling): its seed is fixed
+    by the step, so a resumed run, or another rollout source, samples the same."""
+    gen = config.generation
+    seed = config.seed + number * (config.algo.dynamic_sampling_rounds + 1) + round_
+    return SamplingConfig(n=gen.samples_per_prompt, temperature=gen.temperature, top_p=gen.top_p,
+                          max_new_tokens=gen.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),
+                          seed=seed)
 
 
 class ColocatedRollouts:
@@ -53,12 +66,6 @@ class ColocatedRollouts:
         self.config, self.engine, self.producer, self.tokenizer = config, engine, producer, tokenizer
         self.prompts, self.sampler, self.reward_fn = prompts, sampler, reward_fn
         self.train_states = list(train_states)
-
-    def _sampling(self, seed: int) -> SamplingConfig:
-        gen = self.config.generation
-        return SamplingConfig(n=gen.samples_per_prompt, temperature=gen.temperature, top_p=gen.top_p,
-                              max_new_tokens=gen.max_new_tokens,
-                              stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed)
 
     def rollouts(self, number: int) -> Rollouts:
         """With DAPO dynamic sampling, groups whose rewards are all equal are dropped and more
@@ -75,7 +82,7 @@ class ColocatedRollouts:
         parts, prompts, found = [], [], 0
         for round_ in range(extra_rounds + 1):
             batch_prompts = [self.prompts[i] for i in self.sampler.next_batch()]
-            sampling = self._sampling(self.config.seed + number * (extra_rounds + 1) + round_)
+            sampling = step_sampling(self.config, self.tokenizer, number, round_)
             parts.append(collect(self.engine, self.producer, batch_prompts, sampling, self.tokenizer,
                                  self.reward_fn))
             prompts += batch_prompts
@@ -93,7 +100,7 @@ class ColocatedRollouts:
             "dynamic_sampling/rounds": len(parts), "dynamic_sampling/informative_groups": found,
             "dynamic_sampling/uninformative_kept": len(torch.unique(batch.group_ids)) - len(informative)})
 
-    def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch) -> None:
+    def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch, version: int) -> None:
         self.engine.resume_memory(kv_cache=False)  # weights only: the training state is still here
         sync_weights(chunks, arch, self.engine, bucket_bytes=self.config.layout.sync_bucket_mb * 2**20)
 

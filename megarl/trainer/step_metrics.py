@@ -1,5 +1,6 @@
 """What one step reports: rewards, response lengths, the rollout/trainer gap (log-probs, and MoE
-routing where the engine returned it) and what the rollout correction did about it, KL to the
+routing where the engine returned it) and what the rollout correction did about it, how old
+asynchronous rollouts are, KL to the
 reference, the update's metrics, phase times, throughput and memory. Pure reads of the trained
 batch and the phases' results; the largest rank's peak memory is the one collective.
 Does not own writing metrics (metrics.py) or FLOP counting (flops.py)."""
@@ -7,7 +8,7 @@ Does not own writing metrics (metrics.py) or FLOP counting (flops.py)."""
 import torch
 
 from megarl.actor.config import ActorConfig
-from megarl.algos import mismatch, rollout_correction
+from megarl.algos import mismatch, rollout_correction, staleness
 from megarl.algos.kl import kl
 from megarl.batch.rollout_batch import RolloutBatch
 from megarl.parallel_state import megatron_groups
@@ -25,6 +26,13 @@ def rollout_mismatch(batch: RolloutBatch, actor: ActorConfig) -> dict:
     return out
 
 
+def rollout_staleness(batch: RolloutBatch, trainer_version: int) -> dict:
+    if batch.rollout_versions is None:
+        return {}
+    return staleness.staleness_metrics(batch.rollout_versions, batch.loss_mask, trainer_version,
+                                       batch.old_logprobs, batch.rollout_logprobs)
+
+
 def kl_to_reference(batch: RolloutBatch, algo: AlgoConfig) -> dict:
     if batch.ref_logprobs is None:
         return {}
@@ -40,14 +48,16 @@ def max_over_ranks(value: int) -> int:
 
 
 def step_metrics(collected: Collected, batch: RolloutBatch, algo: AlgoConfig, actor: ActorConfig,
-                 actor_metrics: dict, critic_metrics: dict, timer: PhaseTimer) -> dict:
-    """`batch` is the trained one (collected.batch with log-probs, values and advantages)."""
+                 actor_metrics: dict, critic_metrics: dict, timer: PhaseTimer, trainer_version: int) -> dict:
+    """`batch` is the trained one (collected.batch with log-probs, values and advantages);
+    `trainer_version`: the step whose weights computed its old log-probs."""
     return {
         "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
         "reward/failures": collected.reward_failures,
         "response/length_mean": float(batch.loss_mask.sum(1).mean()),
         "response/truncated": collected.truncated,
-        **rollout_mismatch(batch, actor), **kl_to_reference(batch, algo),
+        **rollout_mismatch(batch, actor), **rollout_staleness(batch, trainer_version),
+        **kl_to_reference(batch, algo),
         **{f"actor/{k}": v for k, v in actor_metrics.items()},
         **{f"critic/{k}": v for k, v in critic_metrics.items()},
         **{f"time/{k}": v for k, v in timer.seconds.items()},

@@ -4,11 +4,13 @@ frozen dataclasses.
 Owns parsing and checking: unknown keys name the allowed ones, values are checked against the
 field's type (int, float, bool, str, Optional, Tuple, nested dataclass) with the key's full path
 in the message, and each dataclass's own __post_init__ validation runs as it is built: all before
-any process group or engine exists.
+any process group or engine exists. A key that is a Python keyword (`async`) is the field of that
+name with a trailing underscore (`async_`).
 Does not own what the fields mean (each dataclass does).
 """
 
 import dataclasses
+import keyword
 import typing
 from typing import Any, Dict, List, Type, TypeVar
 
@@ -65,6 +67,7 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
 def build(cls: Type[T], values: Dict[str, Any], path: str = "") -> T:
     """cls(**values) with every key and value checked; nested sections built recursively."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {f"{key}_" if keyword.iskeyword(key) else key: value for key, value in values.items()}
     unknown = sorted(set(values) - set(fields))
     if unknown:
         where = path or "the top level"

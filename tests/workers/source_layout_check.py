@@ -11,6 +11,7 @@ from megarl.models.builder import build_model
 from megarl.models.hf_config import load_arch
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
+from megarl.parallel_state.links import WorldLinks
 from megarl.resharding import metadata
 from megarl.resharding.source_layout import layout_pieces
 
@@ -37,7 +38,8 @@ def main():
             arch = load_arch(models[model])
             for role in args.roles.split(","):
                 chunks = build_model(arch, dims, role=role, perform_initialization=False)
-                live = metadata.all_pieces(metadata.local_pieces(chunks, arch, role)[0])
+                links = WorldLinks()
+                live = metadata.all_pieces(metadata.local_pieces(chunks, arch, links.rank, role)[0], links)
                 pure = layout_pieces(arch, dims, role=role)
                 only_live = sorted(set(live) - set(pure), key=_describe)
                 only_pure = sorted(set(pure) - set(live), key=_describe)

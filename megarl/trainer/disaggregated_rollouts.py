@@ -1,0 +1,155 @@
+"""The trainer ranks' RolloutSource when the engines run on rollout ranks of their own.
+
+A step reads its finished samples from the channel (generated meanwhile, with weights at most
+async.max_staleness steps old: rollout_server.py) and scores them; a weight push is announced on
+the channel, then streamed over the trainer-rollout bridge by the same sync as the colocated
+engines' (megarl.resharding; the trainer ranks are its sources and hold no destination).
+Every sample is checked against the staleness bound and every step's prompts against this rank's
+own sampler, so the data position saved in checkpoints is the one the rollouts really used.
+When an engine is replaced (engine_supervisor.py), the trainers join the new generation's bridge,
+publish where it starts and push their current weights to it; a push that fails because its
+engine died is pushed again to the replacement. Trainer rank 0 decides each of these turns and
+tells the others, so all trainer ranks take them together.
+Does not own generation (rollout_server.py) or the loss for stale samples (the actor's
+rollout_correction, fed each token's own behaviour log-prob).
+"""
+
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megarl.algos.staleness import sequence_lags
+from megarl.models.hf_config import ModelArch
+from megarl.parallel_state.roles import Role
+from megarl.resharding.sync import sync_weights
+from megarl.rollout.collect import scored
+from megarl.rollout.engine import WeightLayout, WeightUpdateReport
+from megarl.rollout.prompts import Prompt, PromptSampler
+from megarl.rollout.rewards import RewardFn
+from megarl.trainer.config import RunConfig
+from megarl.trainer.rollout_channel import RolloutChannel, Start
+from megarl.trainer.rollout_source import Rollouts
+
+
+class RemoteEngine:
+    """The weight destination as a trainer rank sees it: the engine's layout, on ranks it does
+    not hold (the sync sends from here; the rollout ranks check completeness)."""
+
+    def __init__(self, layout: WeightLayout):
+        self.layout = layout
+
+    def weight_layout(self) -> WeightLayout:
+        return self.layout
+
+    def begin_weight_update(self, expected: Dict[str, Tuple[int, ...]]) -> None:
+        if expected:
+            raise RuntimeError(f"the sync plan puts {len(expected)} engine tensors on a trainer rank")
+
+    def open_tensors(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+        return {}
+
+    def close_tensors(self, names: Sequence[str]) -> None:
+        pass
+
+    def finish_weight_update(self) -> WeightUpdateReport:
+        return WeightUpdateReport(params_expected=0, params_loaded=0)
+
+
+class DisaggregatedRollouts:
+    def __init__(self, config: RunConfig, role: Role, tokenizer, prompts: List[Prompt],
+                 sampler: PromptSampler, reward_fn: RewardFn):
+        self.config, self.role, self.tokenizer = config, role, tokenizer
+        self.prompts, self.sampler, self.reward_fn = prompts, sampler, reward_fn
+        self.channel = RolloutChannel(role.store)
+        layout = config.layout
+        self.engine = RemoteEngine(WeightLayout("vllm", layout.rollout_world_size, layout.rollout_tp,
+                                                layout.rollout_ep, first_rank=role.first_rollout_rank))
+        self.version = None  # of the weights last pushed
+        self.weights = None  # (chunks, arch) of the actor: pushed again to a replaced engine
+
+    def _agree(self, choice):
+        """Trainer rank 0's `choice`, on every trainer rank."""
+        box = [choice]
+        if self.role.size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _replaced(self) -> bool:
+        return self._agree(self.role.rank == 0 and self.channel.generation() > self.role.generation)
+
+    def _follow_generation(self) -> None:
+        """Join the engines' newest generation and tell it where to start."""
+        generation = self._agree(self.channel.generation() if self.role.rank == 0 else None)
+        if self.role.rank == 0:
+            self.channel.start(generation, Start(self.version, self.sampler.state_dict()))
+        self.role.join_bridge(generation)
+
+    def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch, version: int) -> None:
+        first = self.version is None
+        self.version, self.weights = version, (chunks, arch)
+        if first and self.role.rank == 0:  # where the rollout side starts drawing
+            self.channel.start(self.role.generation, Start(version, self.sampler.state_dict()))
+        self._push()
+
+    def _push(self) -> None:
+        """Push until an engine generation has the weights (a dead engine's replacement gets them)."""
+        while True:
+            if self._replaced():
+                self._follow_generation()
+            if self.role.rank == 0:
+                self.channel.announce_weights(self.role.generation, self.version)
+            chunks, arch = self.weights
+            try:
+                sync_weights(chunks, arch, self.engine, self.config.layout.sync_bucket_mb * 2**20,
+                             links=self.role.bridge)
+                done = 1
+            except RuntimeError:  # the engine died during the push (gloo/NCCL: its peer is gone)
+                done = 0
+            status = torch.tensor([done], device=self.role.bridge.device)
+            dist.all_reduce(status, op=dist.ReduceOp.MIN)
+            if int(status):
+                return
+            while not self._replaced():
+                time.sleep(0.01)
+
+    def _wait_for(self, number: int) -> None:
+        """Until step `number`'s rollouts are there, following engine replacements meanwhile."""
+        while True:
+            turn = self._agree(None if self.role.rank else (
+                "replaced" if self.channel.generation() > self.role.generation
+                else "ready" if self.channel.has_rollouts(number) else "wait"))
+            if turn == "ready":
+                return
+            if turn == "replaced":
+                self._follow_generation()
+                self._push()
+            else:
+                time.sleep(0.005)
+
+    def rollouts(self, number: int) -> Rollouts:
+        self._wait_for(number)
+        sent = self.channel.take_rollouts(number)
+        if self.role.rank == 0 and number > 1:
+            self.channel.forget_rollouts(number - 1)  # every rank read it before the last step's sync
+        drawn = self.sampler.next_batch()
+        if sent.prompt_indices != drawn:
+            raise RuntimeError(f"step {number}: the rollout ranks drew prompts {sent.prompt_indices[:8]}..., "
+                               f"this trainer's sampler {drawn[:8]}...: the two sides' data positions "
+                               "differ (a bug: both follow the start the trainer published)")
+        prompts = [self.prompts[i] for i in drawn]
+        collected = scored(sent.samples, prompts, self.tokenizer, self.reward_fn)
+        batch = collected.batch
+        lags = sequence_lags(batch.rollout_versions, batch.loss_mask, self.version)
+        bound = self.config.async_.max_staleness
+        if int(lags.max()) > bound:
+            raise RuntimeError(f"step {number}: a sample is {int(lags.max())} versions older than the "
+                               f"trainer's {self.version}, beyond async.max_staleness={bound}")
+        return Rollouts(collected, prompts, batch.lengths.tolist(), {
+            **sent.metrics, "async/sample_lag_mean": float(lags.double().mean()),
+            "async/sample_lag_max": int(lags.max()), "async/engine_restarts": self.role.generation})
+
+    def shutdown(self) -> None:
+        if self.role.rank == 0:
+            self.channel.stop()

@@ -1,0 +1,92 @@
+"""The control and data channel between trainer ranks and rollout ranks: the launcher's key-value
+store (torch.distributed.Store, reachable from every node), under keys of its own.
+
+Trainer rank 0 writes where each generation of engines starts (the data position and the
+weights' version) and announces every weight push before the push itself (the push runs over the
+bridge group, which the rollout ranks join when they see the announcement); the rollout leader
+puts each step's finished samples, which every trainer rank reads. The engine supervisors count
+generations (a replaced engine starts the next one). Values are pickled. Does not own what either
+side does with them (rollout_server.py, disaggregated_rollouts.py).
+"""
+
+import pickle
+import time
+from dataclasses import dataclass
+from typing import List
+
+import torch.distributed as dist
+
+from megarl.rollout.engine import RolloutSample
+
+
+@dataclass(frozen=True)
+class Start:
+    version: int          # of the weights pushed first: the step the trainers have trained up to
+    sampler_state: dict   # PromptSampler.state_dict() after that step's draw (the next one: step
+                          # version + 1)
+
+
+@dataclass(frozen=True)
+class StepRollouts:
+    step: int
+    prompt_indices: List[int]      # the step's prompts (the sampler's draw), for the trainer to check
+    samples: List[RolloutSample]   # prompt order, then sample order; each token's version recorded
+    metrics: dict                  # the rollout side's, since the previous step's (rollout_server.py)
+
+
+class RolloutChannel:
+    def __init__(self, store):
+        self.store = dist.PrefixStore("megarl/channel", store)
+
+    def _put(self, key: str, value) -> None:
+        self.store.set(key, pickle.dumps(value))
+
+    def _get(self, key: str):
+        return pickle.loads(self.store.get(key))  # waits for the key (up to the store's timeout)
+
+    def _has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def start(self, generation: int, start: Start) -> None:
+        self._put(f"start/{generation}", start)
+
+    def wait_start(self, generation: int) -> Start:
+        return self._get(f"start/{generation}")
+
+    def generation(self) -> int:
+        """The engines' current generation (0 until an engine is replaced)."""
+        return int(self.store.add("generation", 0))
+
+    def next_generation(self, seen: int) -> int:
+        """Start generation seen + 1 unless another rollout rank already did; returns the current."""
+        self.store.compare_set("generation", str(seen).encode(), str(seen + 1).encode())
+        return self.generation()
+
+    def announce_weights(self, generation: int, version: int) -> None:
+        self._put(f"weights/{generation}/{version}", version)
+
+    def weights_announced(self, generation: int, version: int) -> bool:
+        return self._has(f"weights/{generation}/{version}")
+
+    def put_rollouts(self, rollouts: StepRollouts) -> None:
+        self._put(f"rollouts/{rollouts.step}", rollouts)
+
+    def take_rollouts(self, step: int) -> StepRollouts:
+        return self._get(f"rollouts/{step}")
+
+    def forget_rollouts(self, step: int) -> None:
+        """Free a step's samples once every trainer rank has read them."""
+        self.store.delete_key(f"rollouts/{step}")
+
+    def stop(self) -> None:
+        self._put("stop", True)
+
+    def stopping(self) -> bool:
+        return self._has("stop")
+
+    def wait_for_weights_or_stop(self, generation: int, version: int, poll_s: float = 0.005) -> None:
+        while not (self.weights_announced(generation, version) or self.stopping()):
+            time.sleep(poll_s)
+
+    def has_rollouts(self, step: int) -> bool:
+        return self._has(f"rollouts/{step}")

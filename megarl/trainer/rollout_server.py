@@ -1,0 +1,130 @@
+"""What rollout ranks run in a disaggregated job: one vLLM engine generating the next steps'
+rollouts while the trainer ranks train, with weights at most async.max_staleness versions old.
+
+The loop, on every rank of the engine in lockstep (the engine leader decides each turn and tells
+the others, so their vLLM schedulers see the same calls):
+  - a weight push announced -> join it over the bridge; unfinished requests continue (or restart)
+    with the new weights (megarl/rollout/streaming.py);
+  - step n may be drawn once the engine holds version >= n - 1 - max_staleness (its samples are
+    then never older than that when step n trains on version n - 1); draw it;
+  - one engine step; the oldest step whose samples are all finished goes to the trainers;
+  - nothing to do -> wait for the next push, or stop.
+Prompts are drawn as the trainer's sampler draws them (same seed, same position: the start the
+trainer publishes for this generation of engines), so the trainer checks every step's prompts.
+Rollouts in flight when the run stops, or when this engine dies, are dropped: the next
+generation, or a resumed run, draws again from the trainer's position (the same prompts and
+seeds).
+
+Owns the rollout ranks' side of asynchronous training. Does not own generation (streaming.py,
+the engine), the trainer's side (disaggregated_rollouts.py) or the channel (rollout_channel.py).
+"""
+
+import time
+
+import torch.distributed as dist
+
+from megarl.models.hf_config import arch_from_hf_config, load_hf_config
+from megarl.parallel_state.roles import Role
+from megarl.resharding.sync import sync_weights
+from megarl.rollout.prompts import PromptSampler, load_prompts
+from megarl.rollout.streaming import StreamingRollout
+from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.trainer.config import RunConfig
+from megarl.trainer.rollout_channel import RolloutChannel, StepRollouts
+from megarl.trainer.rollout_source import step_sampling
+
+WEIGHTS, STOP, GENERATE, WAIT = "weights", "stop", "generate", "wait"
+
+
+class _Clock:
+    """Seconds the rollout side spent per activity since the last step was sent."""
+
+    def __init__(self):
+        self.seconds = {}
+        self._mark = time.perf_counter()
+
+    def lap(self, activity: str) -> None:
+        now = time.perf_counter()
+        self.seconds[activity] = self.seconds.get(activity, 0.0) + now - self._mark
+        self._mark = now
+
+    def take(self) -> dict:
+        out, self.seconds = self.seconds, {}
+        return out
+
+
+def serve(config: RunConfig, role: Role) -> None:
+    """Generate until the trainer stops the run. Collective over this generation's rollout ranks."""
+    import transformers
+
+    data, gen = config.data, config.generation
+    arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
+    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.prompt_key, data.answer_key,
+                           data.overlong_prompts).prompts
+    engine = VLLMEngine(config.model.hf_dir, rollout_tp=config.layout.rollout_tp,
+                        rollout_ep=config.layout.rollout_ep, seed=config.seed, dtype=arch.dtype,
+                        kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
+                        max_model_len=data.max_prompt_len + gen.max_new_tokens,
+                        router_fp32=config.model.router_fp32, sync_first_rank=role.first_rollout_rank)
+    channel = RolloutChannel(role.store)
+    start = channel.wait_start(role.generation)
+    sampler = PromptSampler(len(prompts), data.prompts_per_step, data.seed)
+    sampler.load_state_dict(start.sampler_state)
+    stream = StreamingRollout(engine, config.async_.partial_rollout)
+    staleness, bucket = config.async_.max_staleness, config.layout.sync_bucket_mb * 2**20
+    version, next_draw, next_send = start.version - 1, start.version + 1, start.version + 1
+    drawn = {}  # step -> its prompt indices
+    clock = _Clock()
+    while True:
+        turn = _decide(channel, role.generation, version, next_draw, staleness, stream, config.steps)
+        if turn == STOP:
+            break
+        if turn == WEIGHTS:
+            stream.pause()
+            sync_weights([], arch, engine, bucket, links=role.bridge)
+            version += 1
+            stream.weights_updated(version)
+            clock.lap("sync_s")
+        elif turn == WAIT:
+            if role.rank == 0:
+                channel.wait_for_weights_or_stop(role.generation, version + 1)
+            clock.lap("idle_s")
+        else:
+            while next_draw <= config.steps and next_draw - 1 - staleness <= version:
+                drawn[next_draw] = sampler.next_batch()
+                stream.start_draw(next_draw, [prompts[i].token_ids for i in drawn[next_draw]],
+                                  step_sampling(config, tokenizer, next_draw))
+                next_draw += 1
+            if stream.busy():
+                stream.step()
+            clock.lap("generate_s")
+            samples = stream.finished_draw(next_send)
+            if samples is not None:
+                if role.rank == 0:
+                    channel.put_rollouts(StepRollouts(next_send, drawn.pop(next_send), samples, {
+                        **{f"async/rollout_{k}": v for k, v in clock.take().items()},
+                        "async/interrupted_requests": stream.interrupted,
+                        "async/restart_discarded_tokens": stream.discarded_tokens}))
+                next_send += 1
+    engine.shutdown()
+
+
+def _decide(channel: RolloutChannel, generation: int, version: int, next_draw: int, staleness: int,
+            stream: StreamingRollout, steps: int) -> str:
+    """The engine leader's choice for this turn, the same on every rank of the engine."""
+    turn = [None]
+    if dist.get_rank() == 0:
+        if channel.weights_announced(generation, version + 1):
+            turn[0] = WEIGHTS
+        elif stream.busy() or (next_draw <= steps and next_draw - 1 - staleness <= version):
+            turn[0] = GENERATE
+        elif stream.draws_in_flight():
+            turn[0] = GENERATE  # a finished draw still to send
+        elif channel.stopping():
+            turn[0] = STOP
+        else:
+            turn[0] = WAIT
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(turn, src=0)
+    return turn[0]
