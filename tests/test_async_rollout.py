@@ -55,11 +55,11 @@ def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tm
     colocated, disaggregated = tmp_path / "colocated", tmp_path / "disaggregated"
     one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "29541", "OMP_NUM_THREADS": "1"}  # as torchrun sets it
-    run(SCRIPT, *_args(tail_inputs, colocated, "steps=3"), nproc=1, timeout=900, env=one_rank)
-    run(SCRIPT, *_args(tail_inputs, disaggregated, "steps=3", "layout.rollout_world_size=1",
+    run(SCRIPT, *_args(tail_inputs, colocated, "steps=2"), nproc=1, timeout=900, env=one_rank)
+    run(SCRIPT, *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=1",
                        "async.max_staleness=0"), nproc=2, timeout=900)
     sync, async_ = _steps(colocated), _steps(disaggregated)
-    assert len(sync) == len(async_) == 3
+    assert len(sync) == len(async_) == 2
     for s, a in zip(sync, async_):
         assert _computed(a) == _computed(s)
         assert a["async/version_lag_max"] == 0 and a["async/sample_lag_max"] == 0
@@ -89,7 +89,7 @@ def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(tail_inputs, t
     normally with the replacement counted (staleness 1, partial rollouts continued)."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, SCRIPT), *_args(tail_inputs, run_dir, "steps=8", "layout.rollout_world_size=1",
+           os.path.join(ROOT, SCRIPT), *_args(tail_inputs, run_dir, "steps=6", "layout.rollout_world_size=1",
                                               "async.max_staleness=1", *FAST_TRAINER)]
     trainer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 600
@@ -102,7 +102,7 @@ def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(tail_inputs, t
     output, _ = trainer.communicate(timeout=600)
     assert trainer.returncode == 0, output[-4000:]
     steps = _steps(run_dir)
-    assert [s["step"] for s in steps] == list(range(1, 9))
+    assert [s["step"] for s in steps] == list(range(1, 7))
     assert steps[-1]["async/engine_restarts"] == 1 and steps[0]["async/engine_restarts"] == 0
     assert f"rollout engine process {engine} (generation 0) died (exit code -9)" in output
     _check_bounds(steps, 1)

@@ -101,18 +101,32 @@ class DisaggregatedRollouts:
             if self.role.rank == 0:
                 self.channel.announce_weights(self.role.generation, self.version)
             chunks, arch = self.weights
+            failure = None
             try:
                 sync_weights(chunks, arch, self.engine, self.config.layout.sync_bucket_mb * 2**20,
                              links=self.role.bridge)
-                done = 1
-            except RuntimeError:  # the engine died during the push (gloo/NCCL: its peer is gone)
-                done = 0
-            status = torch.tensor([done], device=self.role.bridge.device)
+            except RuntimeError as error:  # gloo/NCCL: "Connection closed by peer" when an engine died
+                failure = error
+            status = torch.tensor([failure is None], dtype=torch.int32, device=self.role.bridge.device)
             dist.all_reduce(status, op=dist.ReduceOp.MIN)
             if int(status):
                 return
-            while not self._replaced():
-                time.sleep(0.01)
+            self._await_replacement(failure)
+
+    def _await_replacement(self, failure) -> None:
+        """A push failed: wait for the engines' next generation; a failure no replacement
+        follows within the collective timeout is not an engine's death, and is raised."""
+        deadline = time.monotonic() + self.config.collective_timeout_s
+        while True:
+            turn = self._agree(None if self.role.rank else (
+                "replaced" if self.channel.generation() > self.role.generation
+                else "late" if time.monotonic() > deadline else "wait"))
+            if turn == "replaced":
+                return
+            if turn == "late":
+                raise RuntimeError(f"a weight push failed and no rollout engine was replaced within "
+                                   f"collective_timeout_s={self.config.collective_timeout_s}: {failure}")
+            time.sleep(0.01)
 
     def _wait_for(self, number: int) -> None:
         """Until step `number`'s rollouts are there, following engine replacements meanwhile."""

@@ -46,16 +46,20 @@ def supervise(config: RunConfig, placement: roles.Placement) -> None:
     engine = _start_engine(config, placement, generation)
     while True:
         engine.join(timeout=POLL_S)
-        if engine.exitcode == 0:
+        exitcode = engine.exitcode  # read once: the process may end while this turn runs
+        if exitcode == 0:
             return
         current = channel.generation()
-        if engine.exitcode is None and current == generation:
+        if exitcode is None and current == generation:
             continue
-        if engine.exitcode is not None and current == generation:
+        if exitcode is not None and channel.stopping():
+            raise RuntimeError(f"the rollout engine process {engine.pid} exited with {exitcode} after "
+                               "the run was stopped: see this rank's log")
+        if exitcode is not None and current == generation:
             console.say(f"megarl: rollout engine process {engine.pid} (generation {generation}) died "
-                        f"(exit code {engine.exitcode}); starting a new one")
+                        f"(exit code {exitcode}); starting a new one")
             current = channel.next_generation(generation)
-        if engine.exitcode is None:  # another rollout rank's engine died: this one goes too
+        if exitcode is None:  # another rollout rank's engine died: this one goes too
             engine.kill()
             engine.join()
         if current > limit:

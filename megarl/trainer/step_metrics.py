@@ -55,6 +55,7 @@ def step_metrics(collected: Collected, batch: RolloutBatch, algo: AlgoConfig, ac
         "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
         "reward/failures": collected.reward_failures,
         "response/length_mean": float(batch.loss_mask.sum(1).mean()),
+        "response/length_max": int(batch.loss_mask.sum(1).max()),
         "response/truncated": collected.truncated,
         **rollout_mismatch(batch, actor), **rollout_staleness(batch, trainer_version),
         **kl_to_reference(batch, algo),
