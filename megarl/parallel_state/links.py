@@ -16,7 +16,7 @@ from typing import List, Protocol, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megarl.parallel_state import device_choice
+from megarl.parallel_state.megatron_groups import device as _device
 
 Transfer = Tuple[torch.Tensor, int]  # a tensor and the peer rank it goes to or comes from
 
@@ -32,12 +32,6 @@ class Links(Protocol):
 
     def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
         """Post every send and receive at once and wait for all of them."""
-
-
-def _device() -> torch.device:
-    if device_choice.on_gpu():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class WorldLinks:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl.parallel_state import device_choice
+from megarl.parallel_state import device_choice, megatron_groups
 from megarl.parallel_state.links import BridgeLinks
 
 TRAINER, ROLLOUT = "trainer", "rollout"
@@ -99,7 +99,7 @@ def start(placement: Placement, store, generation: int = 0) -> Role:
     if device_choice.on_gpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     world_name = TRAINER if name == TRAINER else f"{ROLLOUT}/{generation}"
-    dist.init_process_group(backend="nccl" if device_choice.on_gpu() else "gloo",
+    dist.init_process_group(backend=megatron_groups.backend(),
                             store=dist.PrefixStore(f"megarl/{world_name}", store), rank=role_rank,
                             world_size=role_size, timeout=datetime.timedelta(seconds=placement.timeout_s))
     # vLLM's external launcher and every RANK reader see the role's own world from here on.

@@ -117,10 +117,9 @@ def _decide(channel: RolloutChannel, generation: int, version: int, next_draw: i
     if dist.get_rank() == 0:
         if channel.weights_announced(generation, version + 1):
             turn[0] = WEIGHTS
-        elif stream.busy() or (next_draw <= steps and next_draw - 1 - staleness <= version):
+        elif (stream.busy() or stream.draws_in_flight()  # in flight, or finished but not yet sent
+              or (next_draw <= steps and next_draw - 1 - staleness <= version)):
             turn[0] = GENERATE
-        elif stream.draws_in_flight():
-            turn[0] = GENERATE  # a finished draw still to send
         elif channel.stopping():
             turn[0] = STOP
         else:
