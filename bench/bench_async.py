@@ -81,7 +81,7 @@ def main():
     inputs = os.path.join(out, f"inputs_sft{args.sft_steps}")
     if not os.path.isfile(os.path.join(inputs, "train.jsonl")):
         _run("scripts/prepare_demo.py", "--out", inputs, "--prompts", "2000", "--model", "qwen2",
-             "--sft-steps", str(args.sft_steps))
+             "--sft-steps", str(args.sft_steps), "--hf-only")
     common = ("scripts/train_ppo_moe.py", "--config", "configs/demo_cpu.yaml", f"steps={steps}",
               f"model.hf_dir={os.path.join(inputs, 'model')}", "model.megatron_dir=null",
               f"data.path={os.path.join(inputs, 'train.jsonl')}", "layout.ep=1",

@@ -1,7 +1,8 @@
 """Make the CPU demo's inputs in OUT: the addition task (train.jsonl), its sentencepiece
 tokenizer, a tiny HF checkpoint with that tokenizer's vocabulary (OUT/model; Qwen3-MoE-style
 unless --model names another family),
-warm-started, and its Megatron conversion made with the project's converter (OUT/megatron)."""
+warm-started, and its Megatron conversion made with the project's converter (OUT/megatron; not with
+--hf-only)."""
 
 import argparse
 import json
@@ -23,6 +24,9 @@ def main():
     parser.add_argument("--sft-steps", type=int, default=8, help="warm-start steps (0: random model)")
     parser.add_argument("--model", default="qwen3_moe", choices=sorted(FAMILIES),
                         help="the tiny model's family (megarl/demo/tiny_checkpoint.py)")
+    parser.add_argument("--hf-only", action="store_true",
+                        help="skip the Megatron conversion (runs with model.megatron_dir=null load the HF "
+                             "checkpoint directly)")
     parser.add_argument("--verbose", action="store_true", help="print the libraries' output here instead "
                                                                 "of OUT/logs/prepare.log")
     args = parser.parse_args()
@@ -46,10 +50,12 @@ def prepare(args) -> None:
     # The user-facing converter, as a fresh world of one (the actor loads it at any layout). The
     # warm start's world exported its rendezvous variables; its port may still be held.
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "convert_hf_to_megatron.py"),
-                    "--hf-dir", model_dir, "--out", os.path.join(args.out, "megatron")],
-                   check=True, stdout=sys.stderr,
-                   env={k: v for k, v in os.environ.items() if k not in launcher})
+    if not args.hf_only:
+        converter = os.path.join(os.path.dirname(__file__), "convert_hf_to_megatron.py")
+        subprocess.run([sys.executable, converter, "--hf-dir", model_dir, "--out",
+                        os.path.join(args.out, "megatron")],
+                       check=True, stdout=sys.stderr,
+                       env={k: v for k, v in os.environ.items() if k not in launcher})
     # --sft-steps 0 keeps the random model: no NLL to report.
     trained = f" (answer NLL {nll[0]:.2f} -> {nll[-1]:.2f})" if nll else ""
     console.say(f"megarl: demo inputs in {args.out}: {len(records)} prompts, vocab {len(tokenizer)}, "

@@ -28,7 +28,7 @@ SCRIPT = "scripts/train_ppo_moe.py"
 def tail_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tail_inputs")
     run("scripts/prepare_demo.py", "--out", str(root), "--prompts", "200", "--model", "qwen2",
-        "--sft-steps", "1")
+        "--sft-steps", "1", "--hf-only")  # the runs load the HF checkpoint (model.megatron_dir=null)
     return root
 
 
