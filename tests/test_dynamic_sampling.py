@@ -31,7 +31,9 @@ def _round(rewards, lengths, seed):
         fed = len(sample.prompt_ids) + len(sample.response_ids) - 1
         assert torch.equal(batch.rollout_routing[row, :fed], sample.routed_experts)
         assert bool((batch.rollout_routing[row, fed:] == -1).all())
-    return Collected(batch, [f"s{seed}-{i}" for i in range(len(rows))], seed, "", 0)
+    # a dict reward's extra field, only in the first round: the second's rows get NaN when merged
+    extras = {"acc": torch.arange(len(rows), dtype=torch.float32)} if seed == 1 else {}
+    return Collected(batch, [f"s{seed}-{i}" for i in range(len(rows))], seed, seed, "", 0, extras)
 
 
 def test_to_batch_refuses_routing_that_does_not_fit_the_tokens():
@@ -75,7 +77,9 @@ def test_keep_informative_matches_a_loop_over_groups():
             assert torch.equal(kept.batch.rollout_routing[row, :n], src.rollout_routing[i, :n])
             assert bool((kept.batch.rollout_routing[row, n:] == -1).all())
             assert not kept.batch.loss_mask[row, n:].any()
+            acc = float(kept.reward_extras["acc"][row])
+            assert acc == i if k == 0 else acc != acc  # NaN: round 1 returned no such field
         # groups of different rounds never share an id
         pairs = {(k, int(parts[k].batch.group_ids[i])) for k, i in rows}
         assert len(torch.unique(kept.batch.group_ids)) == len(pairs) == groups
-    assert kept.reward_failures == 1 + 2  # counted over every round generated
+    assert kept.reward_failures == kept.reward_timeouts == 1 + 2  # counted over every round generated

@@ -12,6 +12,8 @@ import sys
 import time
 import traceback
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.launch import ROOT, kill_tree, load_script, ray_pids, run
@@ -121,18 +123,38 @@ def test_every_estimator_runs_two_steps(demo_inputs, tmp_path, estimator):
     _check_steps(_steps(run_dir), critic=False)
 
 
-def test_a_sample_producer_plugs_into_the_loop(demo_inputs, tmp_path):
+def _as_verl_parquet(jsonl, out):
+    """The demo's prompts laid out as verl's examples/data_preprocess/gsm8k.py writes them."""
+    records = [json.loads(line) for line in open(jsonl)]
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": r["prompt"]}],
+         "ability": "math", "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+         "extra_info": {"split": "train", "index": i, "answer": r["answer"], "question": r["prompt"]}}
+        for i, r in enumerate(records)]), str(out))
+    return out
+
+
+def test_plugins_and_verl_data_plug_into_the_loop(demo_inputs, tmp_path):
     """generation.producer names a test-only producer (tests/producers.py: completions cut to
-    their first token); the loop trains on exactly its samples, with `step` untouched."""
+    their first token) and algo.reward a reward module written for verl (a dict with extra
+    fields), on a parquet laid out as verl writes it, read with no data.* key set: the loop
+    trains on exactly the producer's samples, each scored, the extra numbers logged."""
     run_dir = tmp_path / "run"
-    producer = "generation.producer=tests.producers:first_token"
-    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, producer, "algo.advantage=grpo",
+    verl_data = _as_verl_parquet(demo_inputs / "train.jsonl", tmp_path / "train.parquet")
+    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir,
+                                           "generation.producer=tests.producers:first_token",
+                                           "algo.reward=tests.verl_rewards:compute_score",
+                                           f"data.path={verl_data}", "algo.advantage=grpo",
                                            "layout.world_size=1", "layout.ep=1", *NO_CHECKPOINT),
         nproc=1, timeout=900, env={**_one_rank(), "PYTHONPATH": ROOT})
     steps = _steps(run_dir)
     _check_steps(steps, critic=False)
     # The demo's completions are 2-3 tokens; every trained response here is exactly one.
     assert all(s["response/length_mean"] == 1.0 and s["response/truncated"] == 128 for s in steps)
+    for s in steps:  # every sample scored by the verl function (a failure would raise there)
+        assert s["reward/failures"] == 0 and s["reward/timeouts"] == 0
+        assert 0 <= s["reward/format_mean"] <= 1
+        assert 0 <= s["reward/acc_mean"] == s["reward/mean"] <= 1 and "reward/pred_mean" not in s
 
 
 def test_dynamic_sampling_trains_on_informative_groups(demo_inputs, tmp_path):

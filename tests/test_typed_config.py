@@ -2,6 +2,7 @@
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Dict
 
 import pytest
 import yaml
@@ -15,6 +16,7 @@ class Run:
     name: str = "demo"
     steps: int = 10
     actor: ActorConfig = field(default_factory=ActorConfig)
+    by_source: Dict[str, float] = field(default_factory=dict)
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -28,6 +30,13 @@ def test_yaml_then_overrides(tmp_path):
     assert config.actor.batching.micro_batch_tokens == 4096
     assert config.actor.dual_clip == 3.0 and isinstance(config.actor.dual_clip, float)
     assert build(Run, dataclasses.asdict(config)) == config
+
+
+def test_mappings_from_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"by_source": {"openai/gsm8k": 1, "lighteval/MATH": 0.5}}))
+    assert load(Run, str(path)).by_source == {"openai/gsm8k": 1.0, "lighteval/MATH": 0.5}
+    assert load(Run, None, ["by_source={a: 2, b: 3e-1}"]).by_source == {"a": 2.0, "b": 0.3}
 
 
 def test_rollout_correction_by_preset_or_by_fields():
@@ -48,6 +57,8 @@ def test_rollout_correction_by_preset_or_by_fields():
     (["actor.optim.lr_decay_style=cosine"], r"actor.optim: lr_decay_style='cosine' needs lr_decay_steps"),
     (["actor=3"], r"actor must be a section"),
     (["steps"], r"must look like key.sub=value"),
+    (["by_source=math"], r"by_source must be a mapping, got 'math'"),
+    (["by_source={a: x}"], r"by_source.a must be a number, got 'x'"),
     # YAML 1.1 reads a bare off as False
     (["actor.router_replay=off"], r"actor.router_replay must be a string, got False: .*quote"),
     (["actor.router_replay=rollout_engine"], r"router_replay='rollout_engine': choose one of "

@@ -3,30 +3,33 @@ of the prompts, every rank receives all samples, responses are decoded and score
 
 Owns splitting prompts over engines (as the engine's placement says), the all-gather of samples,
 and laying samples out as right-padded rows with the rollout log-probs aligned to their tokens.
-Does not own generation (the engine, the producer) or what a reward means (rewards.py).
+Does not own generation (the engine, the producer) or what a reward means (megarl/rewards).
 """
 
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
 from megarl.algos.shaping import informative_groups
 from megarl.batch.rollout_batch import RolloutBatch
+from megarl.rewards.functions import Request
+from megarl.rewards.scorer import Scorer
 from megarl.rollout.engine import RolloutEngine, RolloutSample, SamplingConfig
 from megarl.rollout.producer import SampleProducer
 from megarl.rollout.prompts import Prompt
-from megarl.rollout.rewards import RewardFn, score
 
 
 @dataclass(frozen=True)
 class Collected:
     batch: RolloutBatch
     responses: List[str]  # decoded, in batch row order
-    reward_failures: int
+    reward_failures: int  # scored 0: raised, returned a non-number, or timed out
+    reward_timeouts: int
     first_reward_error: str
     truncated: int  # responses cut at max_new_tokens
+    reward_extras: Dict[str, torch.Tensor]  # a dict result's other numbers per row (NaN: none)
 
 
 def _all_samples(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
@@ -103,21 +106,25 @@ def _widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
 
 
 def collect(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
-            sampling: SamplingConfig, tokenizer, reward_fn: RewardFn) -> Collected:
+            sampling: SamplingConfig, tokenizer, scorer: Scorer) -> Collected:
     """Collective over the world: every rank returns the same batch."""
-    return scored(_all_samples(engine, producer, prompts, sampling), prompts, tokenizer, reward_fn)
+    return scored(_all_samples(engine, producer, prompts, sampling), prompts, tokenizer, scorer)
 
 
-def scored(samples: List[RolloutSample], prompts: List[Prompt], tokenizer, reward_fn: RewardFn) -> Collected:
-    """The samples (answering `prompts`, by prompt_index) decoded, scored and laid out."""
+def scored(samples: List[RolloutSample], prompts: List[Prompt], tokenizer, scorer: Scorer) -> Collected:
+    """The samples (answering `prompts`, by prompt_index) decoded, scored (once, collective) and
+    laid out."""
     empty = [s for s in samples if not s.response_ids]
     if empty:
         raise RuntimeError(f"{len(empty)} samples have empty responses; raise max_new_tokens or check "
                            "that the prompt does not end the sequence")
     responses = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    scores = score(reward_fn, responses, [prompts[s.prompt_index].answer for s in samples])
-    return Collected(to_batch(samples, scores.rewards), responses, scores.failures,
-                     scores.first_error or "", sum(s.finish_reason == "length" for s in samples))
+    asked = [prompts[s.prompt_index] for s in samples]
+    scores = scorer.score([Request(response, p.answer, p.data_source, p.extra_info)
+                           for response, p in zip(responses, asked)])
+    return Collected(to_batch(samples, scores.rewards), responses, scores.failures, scores.timeouts,
+                     scores.first_error or "", sum(s.finish_reason == "length" for s in samples),
+                     scores.extras)
 
 
 def _concat(parts: List[Collected]) -> Collected:
@@ -138,10 +145,13 @@ def _concat(parts: List[Collected]) -> Collected:
     batch = RolloutBatch(tokens=torch.cat(rows), lengths=torch.cat([p.batch.lengths for p in parts]),
                          group_ids=torch.cat(group_ids), rewards=torch.cat([p.batch.rewards for p in parts]),
                          **padded)
+    names = sorted({k for p in parts for k in p.reward_extras})
+    extras = {k: torch.cat([p.reward_extras.get(k, torch.full((len(p.responses),), float("nan")))
+                            for p in parts]) for k in names}
     return Collected(batch, [r for p in parts for r in p.responses],
-                     sum(p.reward_failures for p in parts),
+                     sum(p.reward_failures for p in parts), sum(p.reward_timeouts for p in parts),
                      next((p.first_reward_error for p in parts if p.first_reward_error), ""),
-                     sum(p.truncated for p in parts))
+                     sum(p.truncated for p in parts), extras)
 
 
 def keep_informative(parts: List[Collected], groups: int) -> Collected:
@@ -161,4 +171,5 @@ def keep_informative(parts: List[Collected], groups: int) -> Collected:
                                for name in ("tokens", "loss_mask", "rollout_logprobs", "rollout_routing")
                                if getattr(kept, name) is not None})
     return Collected(kept, [merged.responses[i] for i in rows.tolist()], merged.reward_failures,
-                     merged.first_reward_error, merged.truncated)
+                     merged.reward_timeouts, merged.first_reward_error, merged.truncated,
+                     {k: v[rows] for k, v in merged.reward_extras.items()})

@@ -10,8 +10,8 @@ gathering samples (collect.py).
 
 from typing import Callable, Dict, List, Protocol, Sequence
 
+from megarl.plugins.loading import load_callable
 from megarl.rollout.engine import RolloutEngine, RolloutSample, SamplingConfig
-from megarl.rollout.plugins import load_callable
 
 
 class SampleProducer(Protocol):

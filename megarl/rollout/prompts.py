@@ -1,16 +1,21 @@
 """Prompts for rollouts: reading JSONL/Parquet records, rendering and tokenizing them, filtering
 by length, and sampling batches in a seeded, resumable order.
 
-A record holds either `prompt` (text) or `messages` (chat: [{"role", "content"}]) and an `answer`
-(ground truth for the reward); the key names are configurable. A tokenizer with a chat template
-renders both kinds as a chat with the generation prompt; without one, text is used as is.
+A record holds a prompt (text, or a chat: [{"role", "content"}, ...]) and a ground truth for the
+reward, and optionally the data source and extra info a reward function may use. Where each lives
+is a key path (RecordKeys; dotted for nested fields: `reward_model.ground_truth`). The defaults read
+megarl's own files (`prompt`, `answer`) and verl's as its preprocessing writes them (`prompt` as chat
+messages, `reward_model.ground_truth`, `data_source`, `extra_info`) with no key set; slime's and
+NeMo-RL's layouts by naming their keys (README, "Prompt data"). A record without the prompt key
+but with `messages` is read as that chat. A tokenizer with a chat template renders both kinds as a
+chat with the generation prompt; without one, text is used as is.
 Does not own generation or rewards.
 """
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Dict, List
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -48,29 +53,77 @@ def read_records(path: str) -> List[dict]:
     raise ValueError(f"prompt file {path!r}: use .jsonl or .parquet")
 
 
-def _check_not_empty(record: dict, prompt_key: str, where: str) -> None:
-    """An empty prompt would make the model answer nothing in particular: refuse, do not guess."""
-    messages = record.get("messages")
+def lookup(record: dict, path: str, default: Any = None) -> Any:
+    """record's value at a dotted key path ('reward_model.ground_truth'); `default` where a part
+    of the path is missing."""
+    value = record
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return default
+        value = value[part]
+    return value
+
+
+# Where the ground truth lives when data.answer_key is "auto": megarl's files, then verl's.
+ANSWER_PATHS = ("answer", "reward_model.ground_truth")
+
+
+@dataclass(frozen=True)
+class RecordKeys:
+    """Key paths of a record's fields (data.prompt_key, ...). answer "auto": ANSWER_PATHS, the
+    first the file's first record holds."""
+    prompt: str = "prompt"
+    answer: str = "auto"
+    data_source: str = "data_source"  # optional in a record: "" where missing
+    extra_info: str = "extra_info"  # optional in a record: {} where missing
+
+    def resolved(self, first: dict, path: str) -> "RecordKeys":
+        if self.answer != "auto":
+            return self
+        for candidate in ANSWER_PATHS:
+            if lookup(first, candidate) is not None:
+                return RecordKeys(self.prompt, candidate, self.data_source, self.extra_info)
+        raise ValueError(f"{path} record 0 has none of the ground-truth fields {list(ANSWER_PATHS)} "
+                         f"(keys {sorted(first)}); set data.answer_key to its key path, e.g. "
+                         "data.answer_key=label or data.answer_key=meta.solution")
+
+
+def _chat(record: dict, keys: RecordKeys, where: str) -> Optional[List[dict]]:
+    """The record's chat messages, or None when its prompt is text. Refused: an empty chat, a
+    message without role and content, and a chat whose last turn is the assistant's (rendered with
+    a generation prompt after it, the answer would be in the prompt)."""
+    value = lookup(record, keys.prompt)
+    name = keys.prompt
+    if value is None and "messages" in record:
+        value, name = record["messages"], "messages"
+    if not isinstance(value, list):
+        return None
+    if not value or not any(str(m.get("content", "")).strip() for m in value if isinstance(m, dict)):
+        raise ValueError(f"{where}: {name!r} holds no text ({value!r}); remove the record")
+    for message in value:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"{where}: {name!r} holds {message!r}, not a chat message "
+                             "{'role': ..., 'content': ...}")
+    if value[-1]["role"] == "assistant":
+        raise ValueError(f"{where}: {name!r} ends with an assistant turn ({value[-1]['content']!r}), "
+                         "which would be part of the prompt; drop it from the prompt (an answer goes "
+                         "in the field data.answer_key names)")
+    return value
+
+
+def render(record: dict, tokenizer, keys: RecordKeys, where: str) -> str:
+    messages = _chat(record, keys, where)
     if messages is None:
-        text = record.get(prompt_key)
+        text = lookup(record, keys.prompt)
         if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{where}: {prompt_key!r} is {text!r}, not a non-empty string; remove the "
-                             "record or point data.prompt_key at the prompt field")
-    elif not messages or not any(str(m.get("content", "")).strip() for m in messages):
-        raise ValueError(f"{where}: 'messages' holds no text ({messages!r}); remove the record")
-
-
-def render(record: dict, tokenizer, prompt_key: str) -> str:
-    messages = record.get("messages")
-    if messages is None:
-        if prompt_key not in record:
-            raise ValueError(f"record has neither {prompt_key!r} nor 'messages': keys {sorted(record)}; "
-                             f"set data.prompt_key to the field holding the prompt")
-        messages = [{"role": "user", "content": record[prompt_key]}]
+            raise ValueError(f"{where}: {keys.prompt!r} is {text!r}, not a non-empty string or chat "
+                             f"(keys {sorted(record)}); remove the record or point data.prompt_key at "
+                             "the prompt field")
         if not getattr(tokenizer, "chat_template", None):
-            return record[prompt_key]
+            return text
+        messages = [{"role": "user", "content": text}]
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat 'messages' need a tokenizer with a chat template; this one has none")
+        raise ValueError(f"{where}: chat messages need a tokenizer with a chat template; this one has none")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -78,7 +131,9 @@ def render(record: dict, tokenizer, prompt_key: str) -> str:
 class Prompt:
     text: str
     token_ids: List[int]
-    answer: str
+    answer: Any  # the ground truth as the file holds it (a string for most tasks)
+    data_source: str = ""
+    extra_info: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -90,8 +145,8 @@ class PromptSet:
 OVERLONG = ("skip", "error")
 
 
-def load_prompts(path: str, tokenizer, max_prompt_len: int, prompt_key: str = "prompt",
-                 answer_key: str = "answer", overlong: str = "skip") -> PromptSet:
+def load_prompts(path: str, tokenizer, max_prompt_len: int, keys: Optional[RecordKeys] = None,
+                 overlong: str = "skip") -> PromptSet:
     """The file's prompts, rendered and tokenized. A missing field or an empty prompt is an
     error naming the record; a prompt over `max_prompt_len` tokens is skipped and counted, or
     with overlong="error" refused."""
@@ -100,14 +155,19 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, prompt_key: str = "p
     records = read_records(path)
     if not records:
         raise ValueError(f"prompt file {path} holds no records")
+    keys = (keys or RecordKeys()).resolved(records[0], path)
     kept, dropped = [], 0
     for index, record in enumerate(records):
         where = f"{path} record {index}"
-        if answer_key not in record:
-            raise ValueError(f"{where} has no {answer_key!r} field (keys {sorted(record)}); "
-                             "set data.answer_key")
-        _check_not_empty(record, prompt_key, where)
-        text = render(record, tokenizer, prompt_key)
+        answer = lookup(record, keys.answer)
+        if answer is None:
+            raise ValueError(f"{where} has no {keys.answer!r} field (keys {sorted(record)}); "
+                             "set data.answer_key to the ground truth's key path")
+        extra_info = lookup(record, keys.extra_info) or {}
+        if not isinstance(extra_info, dict):
+            raise ValueError(f"{where}: {keys.extra_info!r} is {extra_info!r}, not a mapping; point "
+                             "data.extra_info_key at a mapping field")
+        text = render(record, tokenizer, keys, where)
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) > max_prompt_len:
             if overlong == "error":
@@ -115,7 +175,7 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, prompt_key: str = "p
                                  "raise data.max_prompt_len or set data.overlong_prompts=skip")
             dropped += 1
             continue
-        kept.append(Prompt(text, ids, str(record[answer_key])))
+        kept.append(Prompt(text, ids, answer, str(lookup(record, keys.data_source) or ""), extra_info))
     if not kept:
         raise ValueError(f"no prompt of {path} fits data.max_prompt_len={max_prompt_len} (all {dropped} "
                          "are longer); raise data.max_prompt_len")

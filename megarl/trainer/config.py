@@ -3,7 +3,7 @@ megarl.trainer.typed_config from YAML plus dotted overrides and validated before
 Does not own what runs (megarl/trainer/loop.py)."""
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Dict, Optional
 
 from megarl.actor.config import ActorConfig
 from megarl.algos import pick
@@ -11,7 +11,8 @@ from megarl.algos.advantages import ADVANTAGE_ESTIMATORS, LONE_GROUPS, WHITENED_
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.critic.config import CriticConfig
 from megarl.parallel_state.dims import ParallelDims
-from megarl.rollout.prompts import OVERLONG
+from megarl.rewards.functions import RewardTable
+from megarl.rollout.prompts import OVERLONG, RecordKeys
 from megarl.rollout.streaming import INTERRUPTS
 
 
@@ -85,12 +86,21 @@ class LayoutConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""  # .jsonl or .parquet
+    # Key paths in each record, dotted for nested fields (rollout/prompts.py): the prompt (text or
+    # chat messages), the ground truth ("auto": `answer`, else verl's `reward_model.ground_truth`),
+    # and what reward functions with verl's signature also get.
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    answer_key: str = "auto"
+    data_source_key: str = "data_source"
+    extra_info_key: str = "extra_info"
     max_prompt_len: int = 256
     overlong_prompts: str = "skip"  # prompts over max_prompt_len tokens: "skip" (and count) or "error"
     prompts_per_step: int = 8
     seed: int = 0
+
+    @property
+    def keys(self) -> RecordKeys:
+        return RecordKeys(self.prompt_key, self.answer_key, self.data_source_key, self.extra_info_key)
 
     def __post_init__(self):
         if not self.path:
@@ -136,7 +146,15 @@ class AlgoConfig:
     kl_reward_coeff: float = 0.0
     kl_estimator: str = "k1"
     kl_clamp: Optional[float] = None  # limit per-token KL to [-c, c] (verl: 10 for k3); None: no limit
-    reward: str = "math"  # built-in name or module:function
+    # Reward functions (megarl/rewards): a built-in name (math, exact_match) or module:function with
+    # megarl's signature fn(response, ground_truth) or verl's compute_score(data_source,
+    # solution_str, ground_truth, extra_info); reward_by_source picks one per record's data source.
+    reward: str = "math"
+    reward_by_source: Dict[str, str] = field(default_factory=dict)
+    # Scoring runs once per sample in this many worker processes on rank 0 (0: in the trainer
+    # process, one by one, no timeout); a sample running past reward_timeout_s scores 0, counted.
+    reward_workers: int = 2
+    reward_timeout_s: float = 60.0
     overlong_buffer: int = 0  # DAPO overlong shaping (0: off)
     overlong_penalty: float = 1.0
     # DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch with
@@ -155,6 +173,13 @@ class AlgoConfig:
         if self.dynamic_sampling_rounds < 0:
             raise ValueError(f"algo.dynamic_sampling_rounds={self.dynamic_sampling_rounds} must be >= 0 "
                              "(0 turns dynamic sampling off)")
+        if self.reward_workers < 0 or self.reward_timeout_s <= 0:
+            raise ValueError(f"algo.reward_workers={self.reward_workers} must be >= 0 and "
+                             f"algo.reward_timeout_s={self.reward_timeout_s} > 0")
+
+    @property
+    def reward_table(self) -> RewardTable:
+        return RewardTable(self.reward, self.reward_by_source)
 
     @property
     def uses_critic(self) -> bool:

@@ -24,10 +24,10 @@ from megarl.algos.staleness import sequence_lags
 from megarl.models.hf_config import ModelArch
 from megarl.parallel_state.roles import Role
 from megarl.resharding.sync import sync_weights
+from megarl.rewards.scorer import Scorer
 from megarl.rollout.collect import scored
 from megarl.rollout.engine import WeightLayout, WeightUpdateReport
 from megarl.rollout.prompts import Prompt, PromptSampler
-from megarl.rollout.rewards import RewardFn
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_channel import RolloutChannel, Start
 from megarl.trainer.rollout_source import Rollouts
@@ -59,9 +59,9 @@ class RemoteEngine:
 
 class DisaggregatedRollouts:
     def __init__(self, config: RunConfig, role: Role, tokenizer, prompts: List[Prompt],
-                 sampler: PromptSampler, reward_fn: RewardFn):
+                 sampler: PromptSampler, scorer: Scorer):
         self.config, self.role, self.tokenizer = config, role, tokenizer
-        self.prompts, self.sampler, self.reward_fn = prompts, sampler, reward_fn
+        self.prompts, self.sampler, self.scorer = prompts, sampler, scorer
         self.channel = RolloutChannel(role.store)
         layout = config.layout
         self.engine = RemoteEngine(WeightLayout("vllm", layout.rollout_world_size, layout.rollout_tp,
@@ -153,7 +153,7 @@ class DisaggregatedRollouts:
                                f"this trainer's sampler {drawn[:8]}...: the two sides' data positions "
                                "differ (a bug: both follow the start the trainer published)")
         prompts = [self.prompts[i] for i in drawn]
-        collected = scored(sent.samples, prompts, self.tokenizer, self.reward_fn)
+        collected = scored(sent.samples, prompts, self.tokenizer, self.scorer)
         batch = collected.batch
         lags = sequence_lags(batch.rollout_versions, batch.loss_mask, self.version)
         bound = self.config.async_.max_staleness
@@ -167,3 +167,4 @@ class DisaggregatedRollouts:
     def shutdown(self) -> None:
         if self.role.rank == 0:
             self.channel.stop()
+        self.scorer.close()

@@ -24,9 +24,9 @@ from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_conf
 from megarl.models.hf_io import load_hf_weights
 from megarl.parallel_state import device_memory, megatron_groups, roles
 from megarl.resharding.hf_export import export_hf
+from megarl.rewards.scorer import Scorer
 from megarl.rollout.producer import load_producer
 from megarl.rollout.prompts import PromptSampler, load_prompts
-from megarl.rollout.rewards import load_reward_fn
 from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.trainer import checkpoint, console, flops
 from megarl.trainer.config import AlgoConfig, RunConfig
@@ -120,12 +120,13 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
     data, gen = config.data, config.generation
-    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.prompt_key, data.answer_key,
+    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.keys,
                            data.overlong_prompts)
     sampler = PromptSampler(len(prompts.prompts), data.prompts_per_step, data.seed)
+    algo = config.algo
+    scorer = Scorer(algo.reward_table, algo.reward_workers, algo.reward_timeout_s)
     if role is not None:
-        source = DisaggregatedRollouts(config, role, tokenizer, prompts.prompts, sampler,
-                                       load_reward_fn(config.algo.reward))
+        source = DisaggregatedRollouts(config, role, tokenizer, prompts.prompts, sampler, scorer)
     else:
         engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, rollout_ep=layout.rollout_ep,
                             seed=config.seed, dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
@@ -135,7 +136,7 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
                             router_fp32=config.model.router_fp32)
         states = [actor.state] + ([critic.state] if critic is not None else [])
         source = ColocatedRollouts(config, engine, load_producer(gen.producer), tokenizer, prompts.prompts,
-                                   sampler, load_reward_fn(config.algo.reward), states)
+                                   sampler, scorer, states)
     run = Run(config, arch, hf_config, actor, critic, source, sampler, flops.device_name())
     done = checkpoint.load(run, resume_from) if resume_from else 0
     source.push_weights(actor_chunks, arch, version=done)

@@ -54,8 +54,9 @@ def _check_data(config: RunConfig) -> None:
         raise FileNotFoundError(f"data.path={data.path!r} does not exist (a .jsonl or .parquet file "
                                 "of prompts)")
     tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
-    load_prompts(data.path, tokenizer, data.max_prompt_len, data.prompt_key, data.answer_key,
+    load_prompts(data.path, tokenizer, data.max_prompt_len, data.keys,
                  data.overlong_prompts)
+    config.algo.reward_table.check()
 
 
 def preflight(config: RunConfig) -> ParallelDims:

@@ -60,7 +60,7 @@ def serve(config: RunConfig, role: Role) -> None:
     data, gen = config.data, config.generation
     arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
     tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
-    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.prompt_key, data.answer_key,
+    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.keys,
                            data.overlong_prompts).prompts
     engine = VLLMEngine(config.model.hf_dir, rollout_tp=config.layout.rollout_tp,
                         rollout_ep=config.layout.rollout_ep, seed=config.seed, dtype=arch.dtype,

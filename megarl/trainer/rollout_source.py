@@ -19,11 +19,11 @@ from megarl.actor.optimizer import TrainState
 from megarl.algos.shaping import informative_groups
 from megarl.models.hf_config import ModelArch
 from megarl.resharding.sync import sync_weights
+from megarl.rewards.scorer import Scorer
 from megarl.rollout.collect import Collected, collect, keep_informative
 from megarl.rollout.engine import RolloutEngine, SamplingConfig
 from megarl.rollout.producer import SampleProducer
 from megarl.rollout.prompts import Prompt, PromptSampler
-from megarl.rollout.rewards import RewardFn
 from megarl.trainer.config import RunConfig
 
 
@@ -61,10 +61,10 @@ class ColocatedRollouts:
     """Every training rank also runs (a rank of) a rollout engine; one step generates, then trains."""
 
     def __init__(self, config: RunConfig, engine: RolloutEngine, producer: SampleProducer, tokenizer,
-                 prompts: List[Prompt], sampler: PromptSampler, reward_fn: RewardFn,
+                 prompts: List[Prompt], sampler: PromptSampler, scorer: Scorer,
                  train_states: Sequence[TrainState]):
         self.config, self.engine, self.producer, self.tokenizer = config, engine, producer, tokenizer
-        self.prompts, self.sampler, self.reward_fn = prompts, sampler, reward_fn
+        self.prompts, self.sampler, self.scorer = prompts, sampler, scorer
         self.train_states = list(train_states)
 
     def rollouts(self, number: int) -> Rollouts:
@@ -84,7 +84,7 @@ class ColocatedRollouts:
             batch_prompts = [self.prompts[i] for i in self.sampler.next_batch()]
             sampling = step_sampling(self.config, self.tokenizer, number, round_)
             parts.append(collect(self.engine, self.producer, batch_prompts, sampling, self.tokenizer,
-                                 self.reward_fn))
+                                 self.scorer))
             prompts += batch_prompts
             if not extra_rounds:
                 return Rollouts(parts[0], prompts, parts[0].batch.lengths.tolist())
@@ -106,3 +106,4 @@ class ColocatedRollouts:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.scorer.close()

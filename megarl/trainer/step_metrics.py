@@ -40,6 +40,12 @@ def kl_to_reference(batch: RolloutBatch, algo: AlgoConfig) -> dict:
     return {"kl/actor_to_reference": float((per_token * batch.loss_mask).sum() / batch.loss_mask.sum())}
 
 
+def reward_extras(extras: dict) -> dict:
+    """Mean of each extra field a dict reward returned, over the samples that returned it."""
+    return {f"reward/{name}_mean": float(values.nanmean()) for name, values in extras.items()
+            if not values.isnan().all()}
+
+
 def max_over_ranks(value: int) -> int:
     """Pipeline stages and expert shards differ in memory: report the largest rank's. Collective."""
     tensor = torch.tensor([value], dtype=torch.float64, device=megatron_groups.device())
@@ -53,7 +59,8 @@ def step_metrics(collected: Collected, batch: RolloutBatch, algo: AlgoConfig, ac
     `trainer_version`: the step whose weights computed its old log-probs."""
     return {
         "reward/mean": float(batch.rewards.mean()), "reward/std": float(batch.rewards.std()),
-        "reward/failures": collected.reward_failures,
+        "reward/failures": collected.reward_failures, "reward/timeouts": collected.reward_timeouts,
+        **reward_extras(collected.reward_extras),
         "response/length_mean": float(batch.loss_mask.sum(1).mean()),
         "response/length_max": int(batch.loss_mask.sum(1).max()),
         "response/truncated": collected.truncated,

@@ -2,7 +2,7 @@
 frozen dataclasses.
 
 Owns parsing and checking: unknown keys name the allowed ones, values are checked against the
-field's type (int, float, bool, str, Optional, Tuple, nested dataclass) with the key's full path
+field's type (int, float, bool, str, Optional, Tuple, Dict, nested dataclass) with the key's full path
 in the message, and each dataclass's own __post_init__ validation runs as it is built: all before
 any process group or engine exists. A key that is a Python keyword (`async`) is the field of that
 name with a trailing underscore (`async_`).
@@ -43,6 +43,12 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ValueError(f"{path} must be a section (mapping), got {value!r}")
         return build(kind, value, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{path} must be a mapping, got {value!r}")
+        key_kind, value_kind = args
+        return {_coerce(k, key_kind, f"{path} key"): _coerce(v, value_kind, f"{path}.{k}")
+                for k, v in value.items()}
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{path} must be a list, got {value!r}")

@@ -1,0 +1,111 @@
+"""A reward function as its author wrote it, called one way whatever its signature, and the table
+that picks a function per data source.
+
+Two signatures, told apart by their parameters:
+- megarl's `fn(response, ground_truth) -> float` (a ground truth that is not a string is passed as
+  its JSON text);
+- verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`,
+  called with keywords as verl calls it (extra_info when the function takes it), returning a float
+  or a dict whose "score" is the reward and whose other numeric fields (bools as 0/1) are extras
+  (logged as reward/<field>_mean; fields that are not numbers, such as text, are not logged).
+Either may be `async def` (awaited to completion). A result that is not a finite number is an
+error: the scoring pool scores it 0 and counts it.
+"""
+
+import asyncio
+import inspect
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping
+
+from megarl.plugins.loading import load_callable
+from megarl.rewards.builtin import BUILTIN
+
+VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a reward function may see of one sample."""
+    response: str  # decoded, special tokens skipped
+    ground_truth: Any
+    data_source: str = ""
+    extra_info: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    score: float
+    extras: Dict[str, float]
+
+
+def _outcome(result: Any) -> Outcome:
+    extras = {}
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            raise ValueError(f"returned a dict without 'score' (keys {sorted(result)}); verl's "
+                             "contract: 'score' is the reward")
+        extras = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, (int, float))}
+        result = result["score"]
+    if not isinstance(result, (int, float)):
+        raise TypeError(f"returned {result!r} ({type(result).__name__}), not a number")
+    if not math.isfinite(result):
+        raise ValueError(f"reward is {result}")
+    return Outcome(float(result), extras)
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+class RewardFunction:
+    """`name` loaded (a built-in, or 'module:function') and called as its signature asks."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.fn: Callable = load_callable(name, BUILTIN, "reward")
+        parameters = inspect.signature(self.fn).parameters
+        self.verl = all(p in parameters for p in VERL_PARAMETERS)
+        self.takes_extra_info = "extra_info" in parameters or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        required = [p for p in parameters.values()
+                    if p.default is inspect.Parameter.empty and p.kind in positional]
+        if not self.verl and len(required) != 2:
+            raise ValueError(f"reward {name!r} takes ({', '.join(parameters)}); write megarl's "
+                             "fn(response, ground_truth) or verl's compute_score(data_source, "
+                             "solution_str, ground_truth, extra_info=None)")
+
+    def __call__(self, request: Request) -> Outcome:
+        if self.verl:
+            kwargs = dict(data_source=request.data_source, solution_str=request.response,
+                          ground_truth=request.ground_truth)
+            if self.takes_extra_info:
+                kwargs["extra_info"] = request.extra_info
+            result = self.fn(**kwargs)
+        else:
+            truth = request.ground_truth
+            result = self.fn(request.response, truth if isinstance(truth, str) else json.dumps(truth))
+        if inspect.isawaitable(result):
+            result = asyncio.run(_awaited(result))
+        return _outcome(result)
+
+
+@dataclass(frozen=True)
+class RewardTable:
+    """The reward function of each data source (algo.reward_by_source), algo.reward for the rest."""
+    default: str
+    by_source: Mapping[str, str] = field(default_factory=dict)
+
+    def name_for(self, data_source: str) -> str:
+        return self.by_source.get(data_source, self.default)
+
+    @property
+    def names(self):
+        return sorted({self.default, *self.by_source.values()})
+
+    def check(self) -> None:
+        """Load every function once: a bad name or signature stops the run before any work."""
+        for name in self.names:
+            RewardFunction(name)
