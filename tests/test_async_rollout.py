@@ -55,9 +55,14 @@ def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tm
     colocated, disaggregated = tmp_path / "colocated", tmp_path / "disaggregated"
     one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "29541", "OMP_NUM_THREADS": "1"}  # as torchrun sets it
-    run(SCRIPT, *_args(tail_inputs, colocated, "steps=2"), nproc=1, timeout=900, env=one_rank)
+    # The two runs at once: most of a 2-step run is start-up, and either one alone leaves a core idle.
+    command = [sys.executable, os.path.join(ROOT, SCRIPT), *_args(tail_inputs, colocated, "steps=2")]
+    reference = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **one_rank}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
     run(SCRIPT, *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=1",
                        "async.max_staleness=0"), nproc=2, timeout=900)
+    output, _ = reference.communicate(timeout=900)
+    assert reference.returncode == 0, output[-4000:]
     sync, async_ = _steps(colocated), _steps(disaggregated)
     assert len(sync) == len(async_) == 2
     for s, a in zip(sync, async_):
@@ -83,24 +88,43 @@ def _check_bounds(steps, staleness: int) -> None:
 FAST_TRAINER = ("algo.advantage=grpo", "algo.kl_reward_coeff=0")
 
 
-def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(tail_inputs, tmp_path):
+def _torchrun(inputs, run_dir, *extra) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               os.path.join(ROOT, SCRIPT),
+               *_args(inputs, run_dir, "layout.rollout_world_size=1", *FAST_TRAINER, *extra)]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def staleness_runs(tail_inputs, tmp_path_factory):
+    """Two runs started together (most of a run is start-up; one alone leaves a core idle):
+    staleness 1 with partial rollouts continued, whose engine is killed with kill -9 once step 2
+    is logged; staleness 2 with partial rollouts restarted. {name: (run dir, output, return code)}
+    and the killed engine's pid."""
+    root = tmp_path_factory.mktemp("staleness_runs")
+    killed, restarted = root / "killed", root / "restarted"
+    first = _torchrun(tail_inputs, killed, "steps=6", "async.max_staleness=1")
+    second = _torchrun(tail_inputs, restarted, "steps=4", "async.max_staleness=2",
+                       "async.partial_rollout=restart")
+    deadline = time.time() + 600
+    while not (killed / "metrics.jsonl").exists() or len(_steps(killed)) < 2:
+        assert first.poll() is None and time.time() < deadline, "the run ended before step 2"
+        time.sleep(0.2)
+    (engine,) = re.findall(r"rollout engine process (\d+) \(generation 0\) started",
+                           (killed / "logs" / "rank1.log").read_text())
+    os.kill(int(engine), signal.SIGKILL)
+    done = {name: (run_dir, *proc.communicate(timeout=600)[:1], proc.returncode)
+            for name, run_dir, proc in (("killed", killed, first), ("restarted", restarted, second))}
+    return done, engine
+
+
+def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(staleness_runs):
     """kill -9 of the engine process once step 2 is logged: its supervisor starts a new one, the
     trainer pushes it the current weights, the lost steps are generated again, and the run ends
     normally with the replacement counted (staleness 1, partial rollouts continued)."""
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, SCRIPT), *_args(tail_inputs, run_dir, "steps=6", "layout.rollout_world_size=1",
-                                              "async.max_staleness=1", *FAST_TRAINER)]
-    trainer = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 600
-    while not (run_dir / "metrics.jsonl").exists() or len(_steps(run_dir)) < 2:
-        assert trainer.poll() is None and time.time() < deadline, "the run ended before step 2"
-        time.sleep(0.2)
-    (engine,) = re.findall(r"rollout engine process (\d+) \(generation 0\) started",
-                           (run_dir / "logs" / "rank1.log").read_text())
-    os.kill(int(engine), signal.SIGKILL)
-    output, _ = trainer.communicate(timeout=600)
-    assert trainer.returncode == 0, output[-4000:]
+    runs, engine = staleness_runs
+    run_dir, output, code = runs["killed"]
+    assert code == 0, output[-4000:]
     steps = _steps(run_dir)
     assert [s["step"] for s in steps] == list(range(1, 7))
     assert steps[-1]["async/engine_restarts"] == 1 and steps[0]["async/engine_restarts"] == 0
@@ -111,11 +135,9 @@ def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(tail_inputs, t
     assert any("async/mismatch_lag0_max" in s for s in steps[2:])
 
 
-def test_restarted_partial_rollouts_stay_within_staleness_two(tail_inputs, tmp_path):
-    run_dir = tmp_path / "run"
-    run(SCRIPT, *_args(tail_inputs, run_dir, "steps=4", "layout.rollout_world_size=1",
-                       "async.max_staleness=2", "async.partial_rollout=restart", *FAST_TRAINER),
-        nproc=2, timeout=900)
+def test_restarted_partial_rollouts_stay_within_staleness_two(staleness_runs):
+    run_dir, output, code = staleness_runs[0]["restarted"]
+    assert code == 0, output[-4000:]
     steps = _steps(run_dir)
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     _check_bounds(steps, 2)
