@@ -17,7 +17,7 @@ import inspect
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from megarl.plugins.loading import load_callable
 from megarl.rewards.builtin import BUILTIN
@@ -90,6 +90,25 @@ class RewardFunction:
         if inspect.isawaitable(result):
             result = asyncio.run(_awaited(result))
         return _outcome(result)
+
+
+class LoadedFunctions:
+    """Reward functions by name, each loaded at its first use; a call's failure (loading
+    included) is returned as its message, not raised: a user's function must not end the run."""
+
+    def __init__(self, preload: Iterable[str] = ()):
+        self._loaded: Dict[str, RewardFunction] = {}
+        for name in preload:
+            self.call(name, None)  # loads it; a bad name fails each job that names it, counted
+
+    def call(self, name: str, request: Optional[Request]) -> Tuple[Optional[Outcome], Optional[str]]:
+        """(the outcome, None) or (None, why it failed); request None only loads."""
+        try:
+            if name not in self._loaded:
+                self._loaded[name] = RewardFunction(name)
+            return (None if request is None else self._loaded[name](request)), None
+        except Exception as error:
+            return None, f"{type(error).__name__}: {error}"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import List, Optional, Sequence, Tuple
 
-from megarl.rewards.functions import Outcome, Request, RewardFunction
+from megarl.rewards.functions import LoadedFunctions, Outcome, Request
 from megarl.rewards.worker import READY
 
 Job = Tuple[str, Request]  # (reward function name, what it scores)
@@ -68,12 +68,12 @@ class ScoringPool:
             raise ValueError(f"reward workers={workers} must be >= 0 and timeout_s={timeout_s} > 0")
         self.timeout_s, self.preload = timeout_s, tuple(preload)
         self.workers = [_Worker(self.preload) for _ in range(workers)]
-        self._local = {}  # workers=0: the functions, loaded in this process
+        self._here = LoadedFunctions()  # workers=0: the functions run in this process
 
     def map(self, jobs: Sequence[Job]) -> List[Result]:
         """One Result per job, in order."""
         if not self.workers:
-            return [self._here(job) for job in jobs]
+            return [Result(*self._here.call(*job)) for job in jobs]
         results: List[Optional[Result]] = [None] * len(jobs)
         queue = deque(enumerate(jobs))
         while queue or any(w.index is not None for w in self.workers):
@@ -105,15 +105,6 @@ class ScoringPool:
                 results[worker.index] = Result(None, f"timed out after {self.timeout_s:g} s", timed_out=True)
                 self._replace(worker)
         return results
-
-    def _here(self, job: Job) -> Result:
-        name, request = job
-        try:
-            if name not in self._local:
-                self._local[name] = RewardFunction(name)
-            return Result(self._local[name](request))
-        except Exception as error:  # a user's function must not end the run; counted instead
-            return Result(None, f"{type(error).__name__}: {error}")
 
     def _replace(self, worker: _Worker) -> None:
         worker.stop()

@@ -12,31 +12,21 @@ import sys
 from multiprocessing.connection import Connection
 from typing import List
 
-from megarl.rewards.functions import RewardFunction
+from megarl.rewards.functions import LoadedFunctions
 
 READY = "ready"
 
 
 def main(in_fd: int, out_fd: int, preload: List[str]) -> None:
     inbox, outbox = Connection(in_fd, writable=False), Connection(out_fd, readable=False)
-    functions = {}
-    for name in preload:
-        try:
-            functions[name] = RewardFunction(name)
-        except Exception:  # not fatal here: each job naming it fails with the error, counted
-            pass
+    functions = LoadedFunctions(preload)
     outbox.send(READY)
     while True:
         try:
             index, name, request = inbox.recv()
         except EOFError:
             return
-        try:
-            if name not in functions:
-                functions[name] = RewardFunction(name)
-            outbox.send((index, functions[name](request), None))
-        except Exception as error:  # a user's function must not end the run; counted instead
-            outbox.send((index, None, f"{type(error).__name__}: {error}"))
+        outbox.send((index, *functions.call(name, request)))
 
 
 if __name__ == "__main__":
