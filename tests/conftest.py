@@ -53,6 +53,7 @@ TIERS = {
     "test_presets": UNIT,
     "test_prompts": UNIT,
     "test_resharding_plan": UNIT,
+    "test_reward_terms": UNIT,
     # the scoring pool's tests start worker processes
     "test_rewards": (UNIT, {name: DISTRIBUTED for name in (
         "test_failures_score_zero_and_are_counted",

@@ -7,10 +7,12 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 import traceback
+import urllib.request
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -41,10 +43,10 @@ def _one_rank():
             "MASTER_PORT": "29533"}
 
 
-def _check_steps(steps, critic: bool):
+def _check_steps(steps, critic: bool, rewards_in_unit: bool = True):
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
-        assert 0.0 <= s["reward/mean"] <= 1.0
+        assert 0.0 <= s["reward/mean"] <= 1.0 or not rewards_in_unit
         assert all(math.isfinite(v) for v in s.values())
         # Rollouts of step 2 come from the weights step 1 trained and synced: vLLM's sampled-token
         # log-probs must match the actor's own (a missed sync shows up as ~0.1-1 nats here).
@@ -134,27 +136,94 @@ def _as_verl_parquet(jsonl, out):
     return out
 
 
-def test_plugins_and_verl_data_plug_into_the_loop(demo_inputs, tmp_path):
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def judge_endpoint(demo_inputs, tmp_path):
+    """A real vLLM OpenAI-compatible server with the demo model as the judge; its base URL."""
+    port = _free_port()
+    log = open(tmp_path / "judge_server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(demo_inputs / "model"),
+         "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+         "--served-model-name", "judge"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/models", timeout=5).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, \
+                    (tmp_path / "judge_server.log").read_text()[-3000:]
+                time.sleep(0.5)
+        yield url
+    finally:
+        kill_tree(server)
+        log.close()
+
+
+def _reward_model(demo_inputs, out):
+    """The demo model as a one-label sequence classifier (a seeded random head), with the demo's
+    tokenizer under a chat template of its own: the reward model re-renders each conversation."""
+    import torch
+    import transformers
+
+    torch.manual_seed(11)
+    transformers.AutoModelForSequenceClassification.from_pretrained(
+        demo_inputs / "model", num_labels=1, dtype=torch.float32).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_inputs / "model" / name, out / name)
+    (out / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    return out
+
+
+def test_plugins_verl_data_and_mixed_rewards_plug_into_the_loop(demo_inputs, tmp_path, judge_endpoint):
     """generation.producer names a test-only producer (tests/producers.py: completions cut to
-    their first token) and algo.reward a reward module written for verl (a dict with extra
-    fields), on a parquet laid out as verl writes it, read with no data.* key set: the loop
-    trains on exactly the producer's samples, each scored, the extra numbers logged."""
+    their first token) and algo.reward sums a reward module written for verl (a dict with extra
+    fields), a reward model (rm:PATH) and a judge behind a real vLLM endpoint (judge:CONFIG), on a
+    parquet laid out as verl writes it, read with no data.* key set: the loop trains on exactly
+    the producer's samples, each scored by every term, the extra numbers, terms and verdicts
+    logged."""
+    from megarl.rewards.judge import JudgeConfig, verdict_score
+
     run_dir = tmp_path / "run"
     verl_data = _as_verl_parquet(demo_inputs / "train.jsonl", tmp_path / "train.parquet")
+    rm = _reward_model(demo_inputs, tmp_path / "rm")
+    judge = {"url": judge_endpoint, "model": "judge", "template": "{question}", "max_tokens": 4,
+             "scale": 0.1, "log_path": str(tmp_path / "verdicts.jsonl")}
+    (tmp_path / "judge.yaml").write_text(json.dumps(judge))
+    function, model = "tests.verl_rewards:compute_score", f"rm:{rm}"
+    judged = f"judge:{tmp_path / 'judge.yaml'}"
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir,
                                            "generation.producer=tests.producers:first_token",
-                                           "algo.reward=tests.verl_rewards:compute_score",
+                                           f"algo.reward={function} + 0.5*{model} + 0.25*{judged}",
                                            f"data.path={verl_data}", "algo.advantage=grpo",
                                            "layout.world_size=1", "layout.ep=1", *NO_CHECKPOINT),
         nproc=1, timeout=900, env={**_one_rank(), "PYTHONPATH": ROOT})
     steps = _steps(run_dir)
-    _check_steps(steps, critic=False)
+    _check_steps(steps, critic=False, rewards_in_unit=False)  # the reward model's scores are any number
     # The demo's completions are 2-3 tokens; every trained response here is exactly one.
     assert all(s["response/length_mean"] == 1.0 and s["response/truncated"] == 128 for s in steps)
-    for s in steps:  # every sample scored by the verl function (a failure would raise there)
+    verdicts = [json.loads(line) for line in open(judge["log_path"])]
+    assert len(verdicts) == 128 * len(steps)  # each sample judged once
+    assert all(v["score"] == verdict_score(v["verdict"], JudgeConfig(**judge)) for v in verdicts)
+    parsed = sum(v["score"] is not None for v in verdicts) / len(verdicts)
+    for s in steps:  # every sample scored by every term (a failure would be counted)
         assert s["reward/failures"] == 0 and s["reward/timeouts"] == 0
-        assert 0 <= s["reward/format_mean"] <= 1
-        assert 0 <= s["reward/acc_mean"] == s["reward/mean"] <= 1 and "reward/pred_mean" not in s
+        assert 0 <= s["reward/format_mean"] <= 1 and "reward/pred_mean" not in s
+        terms = [s[f"reward/term/{name}_mean"] for name in (function, model, judged)]
+        assert terms[0] == s["reward/acc_mean"]
+        assert s["reward/mean"] == pytest.approx(terms[0] + 0.5 * terms[1] + 0.25 * terms[2], abs=1e-5)
+        assert terms[1] != 0.0  # the reward model scored
+    assert sum(s["reward/judge_parsed_mean"] for s in steps) / len(steps) == pytest.approx(parsed)
 
 
 def test_dynamic_sampling_trains_on_informative_groups(demo_inputs, tmp_path):
@@ -264,6 +333,18 @@ def test_impossible_run_is_refused_before_anything_starts(demo_inputs, tmp_path,
         stderr = _refusal_in_process(demo_inputs, run_dir, override.split())
     assert re.search(message, stderr), stderr[-2000:]
     assert "ray" not in stderr.lower() and not run_dir.exists()
+
+
+def test_a_reward_that_cannot_load_is_refused_before_anything_starts(demo_inputs, tmp_path):
+    """Reward models are checked by preflight; a judge's config and a function load there too."""
+    model = demo_inputs / "model"
+    for reward, message in [
+            ("math + 0.5*rm:/no/such/rm", r"no config.json in '/no/such/rm'"),
+            (f"math + rm:{model}", r"has architectures \['Qwen3MoeForCausalLM'\]; a reward model is one of"),
+            ("math + judge:/no/such.yaml", r"judge config '/no/such.yaml' does not exist")]:
+        stderr = _refusal_in_process(demo_inputs, tmp_path / "run", [f"algo.reward={reward}"])
+        assert re.search(message, stderr), stderr[-2000:]
+
 
 
 def test_killed_ray_worker_stops_the_driver_and_the_run_resumes(demo_inputs, tmp_path):

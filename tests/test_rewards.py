@@ -12,7 +12,8 @@ import torch
 from megarl.rewards.builtin import exact_match, math_reward
 from megarl.rewards.functions import Request, RewardFunction, RewardTable
 from megarl.rewards.pool import ScoringPool
-from megarl.rewards.scorer import Scorer, summarize
+from megarl.rewards.scorer import Scorer, combine
+from megarl.rewards.spec import parse_spec
 
 # (response, ground truth as a dataset holds it, expected verdict)
 MATH_CASES = [
@@ -111,13 +112,21 @@ def test_signatures_are_told_apart_and_called_as_written():
 
 def test_a_function_per_data_source():
     table = RewardTable("exact_match", {"a": "tests.test_rewards:verl_no_extra"})
-    assert table.name_for("a") == "tests.test_rewards:verl_no_extra" and table.name_for("b") == "exact_match"
+    assert table.spec_for("a").functions == ("tests.test_rewards:verl_no_extra",)
+    assert table.spec_for("b").functions == ("exact_match",)
     table.check()
     with pytest.raises(ValueError, match="'tests.test_rewards:three' takes"):
         RewardTable("math", {"x": "tests.test_rewards:three"}).check()
     pool = ScoringPool(0, 1.0)
-    scores = summarize(pool.map([(table.name_for(s), Request("x", "x", s)) for s in ("a", "b", "c")]))
+    jobs = [(table.spec_for(s).functions[0], Request("x", "x", s)) for s in ("a", "b", "c")]
+    scores = summarized(jobs, pool.map(jobs))
     assert scores.rewards.tolist() == [2.0, 1.0, 1.0]
+
+
+def summarized(jobs, results):
+    """Scores of one-function rewards: job i is sample i's only term."""
+    return combine([parse_spec(name) for name, _ in jobs],
+                   {(i, name): r for i, ((name, _), r) in enumerate(zip(jobs, results))}, {})
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -126,7 +135,7 @@ def test_failures_score_zero_and_are_counted(workers):
     try:
         jobs = [("tests.test_rewards:broken", Request(r, ""))
                 for r in ("ok", "boom", "nan", "text", "nodict", "ok")]
-        scores = summarize(pool.map(jobs))
+        scores = summarized(jobs, pool.map(jobs))
     finally:
         pool.close()
     assert torch.equal(scores.rewards, torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0]))
@@ -149,7 +158,7 @@ def test_hanging_and_dying_functions_are_cut_and_their_workers_replaced():
     assert results[0].timed_out and results[0].error == "timed out after 2 s"
     assert results[2].error == "reward worker died (exit code 3)" and not results[2].timed_out
     assert [r.outcome.score for r in (results[1], results[3], results[4])] == [1.0, 1.0, 1.0]
-    scores = summarize(results)
+    scores = summarized(jobs, results)
     assert scores.failures == 2 and scores.timeouts == 1
     assert [r.outcome.extras["index"] for r in again] == [0.0, 1.0, 2.0, 3.0]  # in order, by new workers
 
@@ -157,7 +166,7 @@ def test_hanging_and_dying_functions_are_cut_and_their_workers_replaced():
 def test_extras_are_per_sample_with_nan_where_missing():
     table = RewardTable("tests.test_rewards:verl_style", {"m": "tests.test_rewards:megarl_style"})
     scores = Scorer(table, 0, 1.0).score([Request("1", "1", "a", {"index": 4}), Request("1", "2", "m"),
-                                          Request("3", "1", "b", {"index": 6})])
+                                          Request("3", "1", "b", {"index": 6})], [[1, 2]] * 3)
     assert scores.rewards.tolist() == [1.0, 0.0, 0.0]
     assert set(scores.extras) == {"acc", "length", "source_is_a", "index"}
     index = scores.extras["index"]

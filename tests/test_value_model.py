@@ -1,5 +1,7 @@
 """The critic's value model: the policy trunk with a scalar head. Values at TP2, PP2 and CP2
-equal an independent reference: HF transformers' final hidden states times the head."""
+equal an independent reference: HF transformers' final hidden states times the head. A reward
+model (rm:PATH, the same trunk read from an HF *ForSequenceClassification checkpoint) scores as
+HF transformers' sequence classification does, at the same layouts."""
 
 import json
 
@@ -32,13 +34,29 @@ def value_checkpoints(hf_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def saved(value_checkpoints, tmp_path_factory):
+def reward_models(hf_models, tmp_path_factory):
+    """The tiny models saved by HF as one-label sequence classifiers (a seeded random score head)."""
+    import transformers
+
+    out = {}
+    for name in ("qwen3", "qwen3_moe"):
+        path = str(tmp_path_factory.mktemp(f"rm_{name}"))
+        torch.manual_seed(5)
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            hf_models[name], num_labels=1, dtype=torch.float32)
+        model.save_pretrained(path, safe_serialization=True)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(value_checkpoints, reward_models, tmp_path_factory):
     """{layout: what the worker saved}: one launch per world size, which rebuilds the groups for
     each of its layouts (starting a launch takes longer here than computing a layout's values)."""
     root = tmp_path_factory.mktemp("values")
     worlds = {}
     for layout, (world, fields, model) in LAYOUTS.items():
-        worlds.setdefault(world, []).append([layout, fields, value_checkpoints[model]])
+        worlds.setdefault(world, []).append([layout, fields, value_checkpoints[model], reward_models[model]])
     for world, layouts in worlds.items():
         run("tests/workers/value_parity.py", "--layouts", json.dumps(layouts), "--out-dir", str(root),
             nproc=world)
@@ -66,3 +84,22 @@ def test_values_match_reference(layout, value_checkpoints, saved):
     # The critic's column i is the value of the state before token i: the head at position i - 1.
     assert (got["values"][:, 1:] - expected[:, :-1]).abs().max() <= 1e-4
     assert expected.abs().max() > 0.1  # the head is not trivially zero
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_reward_model_scores_as_hf_does(layout, reward_models, saved):
+    import transformers
+
+    from megarl.checks.parity import fixed_tokens
+    from tests.workers.value_parity import RM_LENGTHS
+
+    path = reward_models[LAYOUTS[layout][2]]
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager")
+    tokens = fixed_tokens(250, 4, 32)
+    with torch.no_grad():  # one sequence at a time: no padding for HF to pool around
+        expected = torch.cat([hf(tokens[i:i + 1, :n]).logits[:, 0] for i, n in enumerate(RM_LENGTHS)])
+    got = saved[layout]["rm_scores"]
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() <= 1e-4
+    assert expected.std() > 0.05  # the scores differ by sequence: the last token is the one read

@@ -197,3 +197,21 @@ def load_arch(hf_dir: str, dtype: Optional[str] = None) -> ModelArch:
     if dtype is not None:
         arch = ModelArch(**{**arch.to_dict(), "dtype": dtype})
     return arch
+
+
+def reward_model_arch(cfg: Dict[str, Any], where: str) -> ModelArch:
+    """An HF *ForSequenceClassification config read as the value model's: the trunk of its
+    causal-LM family, and one label (the score, held as the value head)."""
+    architectures = cfg.get("architectures") or []
+    twin = [a[:-len("ForSequenceClassification")] + "ForCausalLM" for a in architectures
+            if a.endswith("ForSequenceClassification")]
+    if len(architectures) != 1 or not twin or twin[0] not in SUPPORTED_ARCHITECTURES:
+        supported = sorted(a.replace("ForCausalLM", "ForSequenceClassification")
+                           for a in SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"reward model {where!r} has architectures {architectures!r}; a reward model "
+                         f"is one of {supported}")
+    labels = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+    if labels != 1:
+        raise ValueError(f"reward model {where!r} has {labels} labels; a reward model scores with "
+                         "one (num_labels=1)")
+    return arch_from_hf_config({**cfg, "architectures": twin})

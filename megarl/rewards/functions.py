@@ -1,5 +1,5 @@
-"""A reward function as its author wrote it, called one way whatever its signature, and the table
-that picks a function per data source.
+"""A reward function as its author wrote it, called one way whatever its signature; the callables
+the scoring pool runs (functions and judges); and the table that gives each data source its reward.
 
 Two signatures, told apart by their parameters:
 - megarl's `fn(response, ground_truth) -> float` (a ground truth that is not a string is passed as
@@ -17,10 +17,12 @@ import inspect
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from megarl.plugins.loading import load_callable
 from megarl.rewards.builtin import BUILTIN
+from megarl.rewards.judge import Judge
+from megarl.rewards.spec import JUDGE_PREFIX, RewardSpec, parse_spec
 
 VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth")
 
@@ -32,6 +34,7 @@ class Request:
     ground_truth: Any
     data_source: str = ""
     extra_info: Dict[str, Any] = field(default_factory=dict)
+    messages: Tuple[Mapping[str, Any], ...] = ()  # the prompt as chat messages (a text prompt: one user turn)
 
 
 @dataclass(frozen=True)
@@ -92,12 +95,20 @@ class RewardFunction:
         return _outcome(result)
 
 
+def load_reward(name: str) -> Callable[[Request], Outcome]:
+    """The pool's callable for a term: a judge (judge:CONFIG) or a reward function."""
+    if not name.startswith(JUDGE_PREFIX):
+        return RewardFunction(name)
+    judge = Judge.from_file(name[len(JUDGE_PREFIX):])
+    return lambda r: _outcome(judge(r.response, r.ground_truth, r.data_source, r.messages))
+
+
 class LoadedFunctions:
     """Reward functions by name, each loaded at its first use; a call's failure (loading
     included) is returned as its message, not raised: a user's function must not end the run."""
 
     def __init__(self, preload: Iterable[str] = ()):
-        self._loaded: Dict[str, RewardFunction] = {}
+        self._loaded: Dict[str, Callable[[Request], Outcome]] = {}
         for name in preload:
             self.call(name, None)  # loads it; a bad name fails each job that names it, counted
 
@@ -105,7 +116,7 @@ class LoadedFunctions:
         """(the outcome, None) or (None, why it failed); request None only loads."""
         try:
             if name not in self._loaded:
-                self._loaded[name] = RewardFunction(name)
+                self._loaded[name] = load_reward(name)
             return (None if request is None else self._loaded[name](request)), None
         except Exception as error:
             return None, f"{type(error).__name__}: {error}"
@@ -113,18 +124,34 @@ class LoadedFunctions:
 
 @dataclass(frozen=True)
 class RewardTable:
-    """The reward function of each data source (algo.reward_by_source), algo.reward for the rest."""
+    """The reward of each data source (algo.reward_by_source), algo.reward for the rest; each a
+    weighted sum of terms (spec.py)."""
     default: str
     by_source: Mapping[str, str] = field(default_factory=dict)
 
-    def name_for(self, data_source: str) -> str:
-        return self.by_source.get(data_source, self.default)
+    def __post_init__(self):
+        parse_spec(self.default)
+        for source, text in self.by_source.items():
+            parse_spec(text, f"algo.reward_by_source[{source!r}]")
+
+    def spec_for(self, data_source: str) -> RewardSpec:
+        return parse_spec(self.by_source.get(data_source, self.default))
 
     @property
-    def names(self):
-        return sorted({self.default, *self.by_source.values()})
+    def specs(self) -> Tuple[RewardSpec, ...]:
+        return tuple(parse_spec(text) for text in (self.default, *self.by_source.values()))
+
+    @property
+    def names(self) -> List[str]:
+        """The functions and judges the scoring pool runs."""
+        return sorted({name for spec in self.specs for name in spec.functions})
+
+    @property
+    def models(self) -> List[str]:
+        """The reward models' directories."""
+        return sorted({path for spec in self.specs for path in spec.models})
 
     def check(self) -> None:
         """Load every function once: a bad name or signature stops the run before any work."""
         for name in self.names:
-            RewardFunction(name)
+            load_reward(name)

@@ -120,8 +120,9 @@ def scored(samples: List[RolloutSample], prompts: List[Prompt], tokenizer, score
                            "that the prompt does not end the sequence")
     responses = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     asked = [prompts[s.prompt_index] for s in samples]
-    scores = scorer.score([Request(response, p.answer, p.data_source, p.extra_info)
-                           for response, p in zip(responses, asked)])
+    scores = scorer.score([Request(response, p.answer, p.data_source, p.extra_info, p.messages)
+                           for response, p in zip(responses, asked)],
+                          [s.prompt_ids + s.response_ids for s in samples])
     return Collected(to_batch(samples, scores.rewards), responses, scores.failures, scores.timeouts,
                      scores.first_error or "", sum(s.finish_reason == "length" for s in samples),
                      scores.extras)

@@ -15,7 +15,7 @@ Does not own generation or rewards.
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -111,7 +111,9 @@ def _chat(record: dict, keys: RecordKeys, where: str) -> Optional[List[dict]]:
     return value
 
 
-def render(record: dict, tokenizer, keys: RecordKeys, where: str) -> str:
+def render(record: dict, tokenizer, keys: RecordKeys, where: str) -> Tuple[List[dict], str]:
+    """(the prompt as chat messages, the text the policy is given): a text prompt is one user turn,
+    given as it is to a tokenizer without a chat template."""
     messages = _chat(record, keys, where)
     if messages is None:
         text = lookup(record, keys.prompt)
@@ -120,11 +122,11 @@ def render(record: dict, tokenizer, keys: RecordKeys, where: str) -> str:
                              f"(keys {sorted(record)}); remove the record or point data.prompt_key at "
                              "the prompt field")
         if not getattr(tokenizer, "chat_template", None):
-            return text
+            return [{"role": "user", "content": text}], text
         messages = [{"role": "user", "content": text}]
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{where}: chat messages need a tokenizer with a chat template; this one has none")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return messages, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class Prompt:
     answer: Any  # the ground truth as the file holds it (a string for most tasks)
     data_source: str = ""
     extra_info: Dict[str, Any] = field(default_factory=dict)
+    messages: Tuple[Dict[str, Any], ...] = ()  # the prompt as chat messages (for judges, reward models)
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,7 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, keys: Optional[Recor
         if not isinstance(extra_info, dict):
             raise ValueError(f"{where}: {keys.extra_info!r} is {extra_info!r}, not a mapping; point "
                              "data.extra_info_key at a mapping field")
-        text = render(record, tokenizer, keys, where)
+        messages, text = render(record, tokenizer, keys, where)
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) > max_prompt_len:
             if overlong == "error":
@@ -175,7 +178,8 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, keys: Optional[Recor
                                  "raise data.max_prompt_len or set data.overlong_prompts=skip")
             dropped += 1
             continue
-        kept.append(Prompt(text, ids, answer, str(lookup(record, keys.data_source) or ""), extra_info))
+        kept.append(Prompt(text, ids, answer, str(lookup(record, keys.data_source) or ""), extra_info,
+                           tuple(messages)))
     if not kept:
         raise ValueError(f"no prompt of {path} fits data.max_prompt_len={max_prompt_len} (all {dropped} "
                          "are longer); raise data.max_prompt_len")

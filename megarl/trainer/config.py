@@ -146,9 +146,12 @@ class AlgoConfig:
     kl_reward_coeff: float = 0.0
     kl_estimator: str = "k1"
     kl_clamp: Optional[float] = None  # limit per-token KL to [-c, c] (verl: 10 for k3); None: no limit
-    # Reward functions (megarl/rewards): a built-in name (math, exact_match) or module:function with
+    # The reward (megarl/rewards/spec.py): a weighted sum of terms, e.g. "math + 0.5*rm:PATH".
+    # A term is a built-in function (math, exact_match), module:function or file.py:function with
     # megarl's signature fn(response, ground_truth) or verl's compute_score(data_source,
-    # solution_str, ground_truth, extra_info); reward_by_source picks one per record's data source.
+    # solution_str, ground_truth, extra_info); rm:PATH, an HF *ForSequenceClassification reward
+    # model run on the training ranks; or judge:CONFIG, a model behind an OpenAI-compatible
+    # endpoint (rewards/judge.py). reward_by_source gives a record's data source its own sum.
     reward: str = "math"
     reward_by_source: Dict[str, str] = field(default_factory=dict)
     # Scoring runs once per sample in this many worker processes on rank 0 (0: in the trainer

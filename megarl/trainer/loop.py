@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 from megarl.actor.actor import Actor
 from megarl.algos.advantage_step import advantage_step
 from megarl.critic.critic import Critic
+from megarl.critic.reward_model import RewardModel
 from megarl.models import checkpoint as model_checkpoint
 from megarl.models.builder import build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
@@ -124,7 +125,10 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
                            data.overlong_prompts)
     sampler = PromptSampler(len(prompts.prompts), data.prompts_per_step, data.seed)
     algo = config.algo
-    scorer = Scorer(algo.reward_table, algo.reward_workers, algo.reward_timeout_s)
+    reward_models = {path: RewardModel(path, dims, config.actor.batching, tokenizer,
+                                       **config.model.transformer_overrides())
+                     for path in algo.reward_table.models}
+    scorer = Scorer(algo.reward_table, algo.reward_workers, algo.reward_timeout_s, reward_models)
     if role is not None:
         source = DisaggregatedRollouts(config, role, tokenizer, prompts.prompts, sampler, scorer)
     else:

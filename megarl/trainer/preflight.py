@@ -14,7 +14,7 @@ import os
 from megarl.actor.config import BatchingConfig
 from megarl.actor.packing import plan_micro_batches
 from megarl.actor.passes import mini_batch_rows
-from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config, reward_model_arch
 from megarl.models.megatron_config import check_te_dtype, transformer_config
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
@@ -76,5 +76,23 @@ def preflight(config: RunConfig) -> ParallelDims:
     _check_batching(config.actor.batching, sequences, longest, dims, "actor")
     if config.algo.uses_critic:
         _check_batching(config.critic.batching, sequences, longest, dims, "critic")
+    for path in config.algo.reward_table.models:
+        _check_reward_model(path, dims, longest)
     _check_data(config)
     return dims
+
+
+def _check_reward_model(path: str, dims: ParallelDims, longest: int) -> None:
+    """rm:PATH is a one-label sequence classifier the training layout can hold, reading sequences
+    as long as the run's (with the policy's tokens; its own tokenizer's are checked as it reads)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"reward rm:{path}: no config.json in {path!r}; rm:PATH names the "
+                                "folder of an HF *ForSequenceClassification checkpoint")
+    arch = reward_model_arch(load_hf_config(path), path)
+    try:
+        transformer_config(arch, dims)
+    except ValueError as error:
+        raise ValueError(f"reward model {path!r} cannot run at the training layout: {error}") from error
+    if longest > arch.max_position_embeddings:
+        raise ValueError(f"data.max_prompt_len + generation.max_new_tokens = {longest} exceeds reward "
+                         f"model {path!r}'s max_position_embeddings {arch.max_position_embeddings}")
