@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.launch import run
+from tests.workers.value_parity import PAD, rm_rows
 
 # layout -> (world size, ParallelDims fields, model)
 LAYOUTS = {"single": (1, {}, "qwen3"), "tp2": (2, {"tp": 2}, "qwen3"), "pp2": (2, {"pp": 2}, "qwen3"),
@@ -44,6 +45,7 @@ def reward_models(hf_models, tmp_path_factory):
         torch.manual_seed(5)
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
             hf_models[name], num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = PAD
         model.save_pretrained(path, safe_serialization=True)
         out[name] = path
     return out
@@ -90,15 +92,12 @@ def test_values_match_reference(layout, value_checkpoints, saved):
 def test_reward_model_scores_as_hf_does(layout, reward_models, saved):
     import transformers
 
-    from megarl.checks.parity import fixed_tokens
-    from tests.workers.value_parity import RM_LENGTHS
 
     path = reward_models[LAYOUTS[layout][2]]
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager")
-    tokens = fixed_tokens(250, 4, 32)
-    with torch.no_grad():  # one sequence at a time: no padding for HF to pool around
-        expected = torch.cat([hf(tokens[i:i + 1, :n]).logits[:, 0] for i, n in enumerate(RM_LENGTHS)])
+    with torch.no_grad():  # one sequence at a time: HF pools at its last token that is not PAD
+        expected = torch.cat([hf(torch.tensor([row])).logits[:, 0] for row in rm_rows(250)])
     got = saved[layout]["rm_scores"]
     assert got.shape == expected.shape
     assert (got - expected).abs().max() <= 1e-4

@@ -3,7 +3,8 @@ label (Skywork-Reward style) scored on the training ranks through Megatron, as t
 (GPTModel trunk + ValueHead, its `score.weight` the head) at the training layout.
 
 Owns what the reward model reads and which output is the score. A sequence's score is the head's
-output at its last token, as HF's sequence classification pools it.
+output at its last token that is not the config's pad_token_id, as HF's sequence classification
+pools it (a response ending in an EOS that is also the pad token is scored before it).
 
 What it reads: with the policy's tokenizer (the folder holds none, or the same vocabulary and chat
 template), the exact prompt and response token ids the policy saw; with a tokenizer of its own, the
@@ -42,7 +43,9 @@ class RewardModel:
     def __init__(self, path: str, dims: ParallelDims, batching: BatchingConfig, policy_tokenizer,
                  **transformer_overrides):
         self.path, self.batching = path, batching
-        self.arch = reward_model_arch(load_hf_config(path), path)
+        hf_config = load_hf_config(path)
+        self.arch = reward_model_arch(hf_config, path)
+        self.pad = hf_config.get("pad_token_id")
         reader = SafetensorsReader(path)
         try:
             if weight_tables.VALUE_HEAD.hf[0] not in reader.names():
@@ -63,6 +66,12 @@ class RewardModel:
                 self.tokenizer = own
 
     def _tokens(self, request: Request, policy_ids: List[int]) -> List[int]:
+        tokens = self._rendered(request, policy_ids)
+        while len(tokens) > 1 and tokens[-1] == self.pad:
+            tokens.pop()  # HF pools at the last token that is not padding
+        return tokens
+
+    def _rendered(self, request: Request, policy_ids: List[int]) -> List[int]:
         if self.tokenizer is None:
             return list(policy_ids)
         if not getattr(self.tokenizer, "chat_template", None):

@@ -2,7 +2,7 @@
 trunk + ValueHead) from an HF checkpoint that carries a `score.weight` head, and have rank 0 save
 the values `Critic.values` computes on a fixed batch ([B, S], column i: the value of the state
 before token i) to OUT_DIR/LAYOUT.pt; and, from a *ForSequenceClassification copy of the same
-model, the reward model's scores of sequences of RM_LENGTHS tokens."""
+model, the reward model's scores of rm_rows."""
 
 import argparse
 import json
@@ -22,7 +22,15 @@ from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import Request
 
-RM_LENGTHS = (32, 17, 5, 26)
+PAD = 7  # tests/test_value_model.py saves the reward models with this pad_token_id
+
+
+def rm_rows(vocab_size: int):
+    """Sequences of several lengths for the reward model, one of them ending in two PADs."""
+    tokens = parity.fixed_tokens(vocab_size, 4, 32)
+    rows = [row[:n].tolist() for row, n in zip(tokens, (32, 17, 5, 26))]
+    rows[1] += [PAD, PAD]
+    return rows
 
 
 def main():
@@ -40,7 +48,7 @@ def main():
         written, _ = load_hf_weights(chunks, arch, hf_dir, role="value")
         batch = parity.scored_batch(parity.fixed_tokens(arch.vocab_size, 4, 32))
         values = Critic(chunks, CriticConfig()).values(batch).values
-        rows = [row[:n].tolist() for row, n in zip(batch.tokens, RM_LENGTHS)]
+        rows = rm_rows(arch.vocab_size)
         scores = RewardModel(rm_dir, dims, BatchingConfig(), None)([Request("", "")] * len(rows), rows)
         if megatron_groups.is_rank0():
             torch.save({"values": values, "written": written, "rm_scores": scores},
