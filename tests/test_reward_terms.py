@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from megarl.plugins.worker_pool import Result
 from megarl.rewards.functions import Outcome, Request, RewardTable
 from megarl.rewards.judge import Judge, JudgeConfig, question_of, verdict_score
-from megarl.rewards.pool import Result
 from megarl.rewards.scorer import Scorer, combine
 from megarl.rewards.spec import Term, parse_spec
 

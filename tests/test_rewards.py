@@ -11,7 +11,7 @@ import torch
 
 from megarl.rewards.builtin import exact_match, math_reward
 from megarl.rewards.functions import Request, RewardFunction, RewardTable
-from megarl.rewards.pool import ScoringPool
+from megarl.rewards.pool import scoring_pool
 from megarl.rewards.scorer import Scorer, combine
 from megarl.rewards.spec import parse_spec
 
@@ -117,7 +117,7 @@ def test_a_function_per_data_source():
     table.check()
     with pytest.raises(ValueError, match="'tests.test_rewards:three' takes"):
         RewardTable("math", {"x": "tests.test_rewards:three"}).check()
-    pool = ScoringPool(0, 1.0)
+    pool = scoring_pool(0, 1.0)
     jobs = [(table.spec_for(s).functions[0], Request("x", "x", s)) for s in ("a", "b", "c")]
     scores = summarized(jobs, pool.map(jobs))
     assert scores.rewards.tolist() == [2.0, 1.0, 1.0]
@@ -131,7 +131,7 @@ def summarized(jobs, results):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_failures_score_zero_and_are_counted(workers):
-    pool = ScoringPool(workers, timeout_s=30, preload=["tests.test_rewards:broken"])
+    pool = scoring_pool(workers, timeout_s=30, preload=["tests.test_rewards:broken"])
     try:
         jobs = [("tests.test_rewards:broken", Request(r, ""))
                 for r in ("ok", "boom", "nan", "text", "nodict", "ok")]
@@ -143,7 +143,7 @@ def test_failures_score_zero_and_are_counted(workers):
 
 
 def test_hanging_and_dying_functions_are_cut_and_their_workers_replaced():
-    pool = ScoringPool(2, timeout_s=2.0,
+    pool = scoring_pool(2, timeout_s=2.0,
                        preload=["tests.test_rewards:broken", "tests.test_rewards:verl_style"])
     try:
         start = time.monotonic()
@@ -156,11 +156,11 @@ def test_hanging_and_dying_functions_are_cut_and_their_workers_replaced():
         pool.close()
     assert took < 2.0 + 10  # cut at its timeout (plus a replacement worker's start), not an hour
     assert results[0].timed_out and results[0].error == "timed out after 2 s"
-    assert results[2].error == "reward worker died (exit code 3)" and not results[2].timed_out
-    assert [r.outcome.score for r in (results[1], results[3], results[4])] == [1.0, 1.0, 1.0]
+    assert results[2].error == "worker died (exit code 3)" and not results[2].timed_out
+    assert [r.value.score for r in (results[1], results[3], results[4])] == [1.0, 1.0, 1.0]
     scores = summarized(jobs, results)
     assert scores.failures == 2 and scores.timeouts == 1
-    assert [r.outcome.extras["index"] for r in again] == [0.0, 1.0, 2.0, 3.0]  # in order, by new workers
+    assert [r.value.extras["index"] for r in again] == [0.0, 1.0, 2.0, 3.0]  # in order, by new workers
 
 
 def test_extras_are_per_sample_with_nan_where_missing():
@@ -186,11 +186,11 @@ def test_a_reward_file_outside_any_package_as_verl_names_it(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     for name in (str(tmp_path / "my_reward.py:compute_score"), "my_reward.py:compute_score"):
         assert RewardFunction(name)(Request("4", "4", "s", {})).score == 1.0
-    pool = ScoringPool(1, 30, preload=["my_reward.py:compute_score"])
+    pool = scoring_pool(1, 30, preload=["my_reward.py:compute_score"])
     try:
         (result,) = pool.map([("my_reward.py:compute_score", Request("4", "5", "s", {}))])
     finally:
         pool.close()
-    assert result.outcome.score == 0.0 and result.outcome.extras == {"hits": 1.0}
+    assert result.value.score == 0.0 and result.value.extras == {"hits": 1.0}
     with pytest.raises(ValueError, match=r"'missing.py:f': file '.*missing.py' does not exist"):
         RewardFunction("missing.py:f")

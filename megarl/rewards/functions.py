@@ -17,7 +17,7 @@ import inspect
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from megarl.plugins.loading import load_callable
 from megarl.rewards.builtin import BUILTIN
@@ -107,10 +107,8 @@ class LoadedFunctions:
     """Reward functions by name, each loaded at its first use; a call's failure (loading
     included) is returned as its message, not raised: a user's function must not end the run."""
 
-    def __init__(self, preload: Iterable[str] = ()):
+    def __init__(self):
         self._loaded: Dict[str, Callable[[Request], Outcome]] = {}
-        for name in preload:
-            self.call(name, None)  # loads it; a bad name fails each job that names it, counted
 
     def call(self, name: str, request: Optional[Request]) -> Tuple[Optional[Outcome], Optional[str]]:
         """(the outcome, None) or (None, why it failed); request None only loads."""

@@ -14,8 +14,9 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megarl.plugins.worker_pool import Result
 from megarl.rewards.functions import Request, RewardTable
-from megarl.rewards.pool import Result, ScoringPool
+from megarl.rewards.pool import scoring_pool
 from megarl.rewards.spec import RewardSpec
 
 # A reward model's scores of some samples: (their requests, their token ids) -> [n] float32.
@@ -47,14 +48,14 @@ def combine(specs: Sequence[RewardSpec], results: Mapping[Tuple[int, str], Resul
                 value = float(model_scores[term.model_path][i])
             else:
                 result = results[(i, term.name)]
-                if result.outcome is None:
+                if result.value is None:
                     failed.add(i)
                     timeouts += result.timed_out
                     first_error = first_error or result.error
                     value = 0.0
                 else:
-                    value = result.outcome.score
-                    for name, extra in result.outcome.extras.items():
+                    value = result.value.score
+                    for name, extra in result.value.extras.items():
                         extras.setdefault(name, torch.full((n,), float("nan")))[i] = extra
             rewards[i] += term.weight * value
             terms.setdefault(f"term/{term.name}", torch.full((n,), float("nan")))[i] = value
@@ -74,7 +75,7 @@ class Scorer:
             raise ValueError(f"reward models {missing} are named by the reward but not loaded")
         self.per_term = any(len(spec.terms) > 1 for spec in table.specs)
         leader = not dist.is_initialized() or dist.get_rank() == 0
-        self.pool = ScoringPool(workers, timeout_s, table.names) if leader else None
+        self.pool = scoring_pool(workers, timeout_s, table.names) if leader else None
         # The pool's jobs are waited for in a thread while the reward models run in this one.
         self.waiter = ThreadPoolExecutor(1) if leader else None
 
