@@ -13,7 +13,7 @@ class FirstToken:
                                     finish_reason="length",
                                     routed_experts=None if s.routed_experts is None
                                     else s.routed_experts[:len(s.prompt_ids)])
-                for s in engine.generate(prompts, sampling)]
+                for s in engine.generate([p.token_ids for p in prompts], sampling)]
 
 
 def first_token():

@@ -8,7 +8,8 @@ Two signatures, told apart by their parameters:
   called with keywords as verl calls it (extra_info when the function takes it), returning a float
   or a dict whose "score" is the reward and whose other numeric fields (bools as 0/1) are extras
   (logged as reward/<field>_mean; fields that are not numbers, such as text, are not logged).
-Either may be `async def` (awaited to completion). A result that is not a finite number is an
+Either may be `async def` (awaited to completion), and either gets a multi-turn sample's
+conversation as `trajectory=` when it has a parameter of that name. A result that is not a finite number is an
 error: the scoring pool scores it 0 and counts it.
 """
 
@@ -35,6 +36,10 @@ class Request:
     data_source: str = ""
     extra_info: Dict[str, Any] = field(default_factory=dict)
     messages: Tuple[Mapping[str, Any], ...] = ()  # the prompt as chat messages (a text prompt: one user turn)
+    # A multi-turn sample's conversation (prompt, assistant turns with their tool calls, tool
+    # results, interaction turns with their "reward"); () for a single completion. Passed to a
+    # function that has a `trajectory` parameter.
+    trajectory: Tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,10 @@ class RewardFunction:
         self.verl = all(p in parameters for p in VERL_PARAMETERS)
         self.takes_extra_info = "extra_info" in parameters or any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        self.takes_trajectory = "trajectory" in parameters
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        required = [p for p in parameters.values()
-                    if p.default is inspect.Parameter.empty and p.kind in positional]
+        required = [p for p in parameters.values() if p.default is inspect.Parameter.empty
+                    and p.kind in positional and p.name != "trajectory"]
         if not self.verl and len(required) != 2:
             raise ValueError(f"reward {name!r} takes ({', '.join(parameters)}); write megarl's "
                              "fn(response, ground_truth) or verl's compute_score(data_source, "
@@ -86,10 +92,14 @@ class RewardFunction:
                           ground_truth=request.ground_truth)
             if self.takes_extra_info:
                 kwargs["extra_info"] = request.extra_info
+            if self.takes_trajectory:
+                kwargs["trajectory"] = request.trajectory
             result = self.fn(**kwargs)
         else:
             truth = request.ground_truth
-            result = self.fn(request.response, truth if isinstance(truth, str) else json.dumps(truth))
+            extra = {"trajectory": request.trajectory} if self.takes_trajectory else {}
+            truth = truth if isinstance(truth, str) else json.dumps(truth)
+            result = self.fn(request.response, truth, **extra)
         if inspect.isawaitable(result):
             result = asyncio.run(_awaited(result))
         return _outcome(result)

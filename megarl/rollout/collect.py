@@ -6,7 +6,7 @@ and laying samples out as right-padded rows with the rollout log-probs aligned t
 Does not own generation (the engine, the producer) or what a reward means (megarl/rewards).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List
 
 import torch
@@ -30,13 +30,14 @@ class Collected:
     first_reward_error: str
     truncated: int  # responses cut at max_new_tokens
     reward_extras: Dict[str, torch.Tensor]  # a dict result's other numbers per row (NaN: none)
+    events: Dict[str, int] = field(default_factory=dict)  # the samples' agent events, summed
 
 
 def _all_samples(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
                  sampling: SamplingConfig) -> List[RolloutSample]:
     """Every engine's samples on every rank, ordered by global prompt index."""
     mine = engine.placement.share(len(prompts))
-    samples = producer.produce(engine, [prompts[i].token_ids for i in mine], sampling) if mine else []
+    samples = producer.produce(engine, [prompts[i] for i in mine], sampling) if mine else []
     for sample in samples:
         sample.prompt_index = mine[sample.prompt_index]
     gathered = [None] * dist.get_world_size()
@@ -89,7 +90,7 @@ def to_batch(samples: List[RolloutSample], rewards: torch.Tensor) -> RolloutBatc
     for row, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[row, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
-        mask[row, p:p + r] = 1.0
+        mask[row, p:p + r] = 1.0 if s.response_mask is None else s.response_mask
         rollout_logprobs[row, p:p + r] = s.logprobs
     return RolloutBatch(tokens=tokens, lengths=lengths, loss_mask=mask,
                         group_ids=torch.tensor([s.prompt_index for s in samples]),
@@ -120,12 +121,21 @@ def scored(samples: List[RolloutSample], prompts: List[Prompt], tokenizer, score
                            "that the prompt does not end the sequence")
     responses = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     asked = [prompts[s.prompt_index] for s in samples]
-    scores = scorer.score([Request(response, p.answer, p.data_source, p.extra_info, p.messages)
-                           for response, p in zip(responses, asked)],
+    scores = scorer.score([Request(response, p.answer, p.data_source, p.extra_info, p.messages,
+                                   tuple(s.trajectory or ()))
+                           for response, p, s in zip(responses, asked, samples)],
                           [s.prompt_ids + s.response_ids for s in samples])
     return Collected(to_batch(samples, scores.rewards), responses, scores.failures, scores.timeouts,
                      scores.first_error or "", sum(s.finish_reason == "length" for s in samples),
-                     scores.extras)
+                     scores.extras, _summed([s.events for s in samples]))
+
+
+def _summed(counts: List[Dict[str, int]]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for count in counts:
+        for name, value in count.items():
+            out[name] = out.get(name, 0) + value
+    return out
 
 
 def _concat(parts: List[Collected]) -> Collected:
@@ -152,7 +162,8 @@ def _concat(parts: List[Collected]) -> Collected:
     return Collected(batch, [r for p in parts for r in p.responses],
                      sum(p.reward_failures for p in parts), sum(p.reward_timeouts for p in parts),
                      next((p.first_reward_error for p in parts if p.first_reward_error), ""),
-                     sum(p.truncated for p in parts), extras)
+                     sum(p.truncated for p in parts), extras,
+                     _summed([p.events for p in parts]))
 
 
 def keep_informative(parts: List[Collected], groups: int) -> Collected:
@@ -173,4 +184,4 @@ def keep_informative(parts: List[Collected], groups: int) -> Collected:
                                if getattr(kept, name) is not None})
     return Collected(kept, [merged.responses[i] for i in rows.tolist()], merged.reward_failures,
                      merged.reward_timeouts, merged.first_reward_error, merged.truncated,
-                     {k: v[rows] for k, v in merged.reward_extras.items()})
+                     {k: v[rows] for k, v in merged.reward_extras.items()}, merged.events)

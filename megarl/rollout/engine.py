@@ -5,7 +5,7 @@ megarl.resharding only talk to this surface.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -46,6 +46,11 @@ class RolloutSample:
     # [R] int64 the policy version (training steps behind its weights) that sampled each response
     # token; streamed (asynchronous) rollouts only
     versions: Optional[torch.Tensor] = None
+    # Multi-turn samples (agent_loop.py): [R] 1 on the tokens the engine generated, 0 on those
+    # inserted between turns (their log-probs are 0 and never read); None: all generated
+    response_mask: Optional[torch.Tensor] = None
+    trajectory: Optional[List[Dict[str, Any]]] = None  # the conversation's messages, prompt first
+    events: Dict[str, int] = field(default_factory=dict)  # counted agent events (turns, tool errors)
 
 
 @dataclass(frozen=True)

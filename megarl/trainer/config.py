@@ -12,6 +12,7 @@ from megarl.algos.kl import KL_ESTIMATORS
 from megarl.critic.config import CriticConfig
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import RewardTable
+from megarl.rollout.agent_loop import AgentConfig
 from megarl.rollout.prompts import OVERLONG, RecordKeys
 from megarl.rollout.streaming import INTERRUPTS
 
@@ -118,7 +119,10 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
-    producer: str = "completion"  # how samples are produced: built-in name or module:function
+    # How samples are produced: completion, agent (multi-turn with tools and interactions,
+    # configured by `agent`: megarl/rollout/agent_loop.py) or module:function
+    producer: str = "completion"
+    agent: AgentConfig = field(default_factory=AgentConfig)
     kv_cache_gib: int = 1  # CPU: vLLM's KV cache size
     gpu_memory_utilization: float = 0.5  # GPU: vLLM's share of each device (weights + KV cache)
     # MoE: the engine returns each token's experts, for the routing-mismatch metric (always on
@@ -253,6 +257,13 @@ class RunConfig:
     def __post_init__(self):
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
+        agent = self.generation.producer == "agent"
+        if agent and (self.engine_returns_routing or self.layout.rollout_tp > 1):
+            # The ranks of one engine must submit the same requests in the same order; each runs
+            # its own tools, whose results (a timeout) may differ. Routing is not streamed yet.
+            raise ValueError(f"generation.producer=agent runs on engines of one rank without returned "
+                             f"routing: layout.rollout_tp={self.layout.rollout_tp} must be 1 and "
+                             "generation.return_routing / actor.router_replay=rollout off")
         if not self.layout.disaggregated:
             if self.async_.max_staleness:
                 raise ValueError(f"async.max_staleness={self.async_.max_staleness} needs rollout ranks of "
@@ -260,6 +271,8 @@ class RunConfig:
                                  "generate while their ranks train")
             return
         refused = {"algo.dynamic_sampling_rounds": self.algo.dynamic_sampling_rounds,
+                   "generation.producer": "" if not agent and self.generation.producer == "completion"
+                   else self.generation.producer,
                    "offload_params": self.offload_params,
                    "generation.return_routing / actor.router_replay=rollout": self.engine_returns_routing}
         for key, value in refused.items():

@@ -139,7 +139,8 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
                             return_routing=config.engine_returns_routing,
                             router_fp32=config.model.router_fp32)
         states = [actor.state] + ([critic.state] if critic is not None else [])
-        source = ColocatedRollouts(config, engine, load_producer(gen.producer), tokenizer, prompts.prompts,
+        producer = load_producer(gen.producer, tokenizer, gen.agent)
+        source = ColocatedRollouts(config, engine, producer, tokenizer, prompts.prompts,
                                    sampler, scorer, states)
     run = Run(config, arch, hf_config, actor, critic, source, sampler, flops.device_name())
     done = checkpoint.load(run, resume_from) if resume_from else 0

@@ -46,6 +46,15 @@ def reward_extras(extras: dict) -> dict:
             if not values.isnan().all()}
 
 
+def agent_events(events: dict, samples: int) -> dict:
+    """Multi-turn rollouts' counted events (tool calls, errors, timeouts, cut outputs), and turns
+    per sample."""
+    out = {f"agent/{name}": count for name, count in events.items() if name != "turns"}
+    if "turns" in events:
+        out["agent/turns_mean"] = events["turns"] / samples
+    return out
+
+
 def max_over_ranks(value: int) -> int:
     """Pipeline stages and expert shards differ in memory: report the largest rank's. Collective."""
     tensor = torch.tensor([value], dtype=torch.float64, device=megatron_groups.device())
@@ -64,6 +73,7 @@ def step_metrics(collected: Collected, batch: RolloutBatch, algo: AlgoConfig, ac
         "response/length_mean": float(batch.loss_mask.sum(1).mean()),
         "response/length_max": int(batch.loss_mask.sum(1).max()),
         "response/truncated": collected.truncated,
+        **agent_events(collected.events, batch.size),
         **rollout_mismatch(batch, actor), **rollout_staleness(batch, trainer_version),
         **kl_to_reference(batch, algo),
         **{f"actor/{k}": v for k, v in actor_metrics.items()},

@@ -1,0 +1,161 @@
+"""The agent loop: tool-call parsing, the built-in tools and their sandbox, the tokens inserted
+between turns, and multi-turn rollouts on real vLLM with a scripted tool-calling model: every
+sample's token ids are the engine's generated ids and the inserted ids, byte for byte, the loss
+mask 0 exactly on the inserted ones; tools that raise, hang or return 1 MB give tool messages
+and counted events."""
+
+import json
+
+import pytest
+
+from megarl.rollout.chat_insert import assistant_close, inserted_text
+from megarl.rollout.tool_calls import ToolCall, hermes
+from megarl.rollout.tools import calculator, python, schema_of
+from tests.launch import ROOT, last_json, run
+from tests.scripted_agent import PIECES, make_scripted_agent
+
+
+def test_hermes_calls_are_parsed_and_bad_ones_named():
+    turn = hermes('Let me add.<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}'
+                  '</tool_call><tool_call>\n{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}'
+                  '\n</tool_call>')
+    assert turn.content == "Let me add."
+    assert turn.calls == [ToolCall("calculator", {"expression": "1+2"}), ToolCall("search", {"q": "x"})]
+    assert not turn.errors
+    bad = hermes('<tool_call>{"name": "x", "arguments": [1]}</tool_call><tool_call>{oops}</tool_call>'
+                 '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "y"')
+    assert bad.calls == []
+    assert len(bad.errors) == 4
+    assert "are not an object" in bad.errors[0] and "is not JSON" in bad.errors[1]
+    assert 'has no "name"' in bad.errors[2] and bad.errors[3] == "a <tool_call> is not closed by </tool_call>"
+    assert hermes("no calls here").calls == []
+
+
+def test_calculator_is_exact_and_refuses_code():
+    assert calculator("(12 + 7) * 3") == "57"
+    assert calculator("123456789 * 987654321") == "121932631112635269"
+    assert calculator("7 / 2") == "3.5" and calculator("2 ** 10") == "1024" and calculator("-4 // 3") == "-2"
+    for bad, message in [("__import__('os')", "is not arithmetic"), ("9 ** 9 ** 9", "exponent"),
+                         ("1 +", "is not an expression")]:
+        with pytest.raises(ValueError, match=message):
+            calculator(bad)
+
+
+def test_schemas_come_from_the_attribute_or_the_signature():
+    assert schema_of("calculator", calculator)["parameters"]["required"] == ["expression"]
+
+    def lookup(city: str, days: int = 1) -> str:
+        """Weather for a city.
+
+        More text."""
+
+    assert schema_of("m:lookup", lookup) == {
+        "name": "lookup", "description": "Weather for a city.",
+        "parameters": {"type": "object", "required": ["city"],
+                       "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
+
+    def untyped(x):
+        return x
+
+    with pytest.raises(ValueError, match="parameter 'x' is not a str, int, float or bool"):
+        schema_of("m:untyped", untyped)
+
+
+def test_python_sandbox_runs_code_without_network():
+    assert python("print(6 * 7)") == "42\n"
+    assert "(exit code 1)" in python("raise SystemExit(1)")
+    offline = python("import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\n"
+                     "    print('online')\nexcept OSError as e:\n    print('offline', e.errno)")
+    assert offline.startswith("offline"), offline
+    assert "MemoryError" in python("x = bytearray(4 << 30)")
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    return make_scripted_agent(str(tmp_path_factory.mktemp("scripted_agent")))
+
+
+def test_inserted_text_follows_the_template(scripted):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(scripted)
+    end, call = PIECES.index("<|im_end|>"), PIECES.index(PIECES[8])
+    assert assistant_close(tokenizer) == "<|im_end|>\n"
+    tool = [{"role": "tool", "content": "5"}]
+    # the model generated its end of turn: the rest of the close, then the tool turn and the prompt
+    expected = "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert inserted_text(tokenizer, [call, end], tool) == expected
+    # it stopped without it (a stop string, the budget): the whole close
+    assert inserted_text(tokenizer, [call], tool).startswith("<|im_end|>\n<|im_start|>tool\n")
+    tokenizer.chat_template = "{{ messages[-1]['content'] }}"  # renders only the last turn
+    with pytest.raises(ValueError, match="renders earlier turns differently"):
+        inserted_text(tokenizer, [end], tool)
+
+
+@pytest.fixture(scope="module")
+def rollouts(scripted):
+    return last_json(run("tests/workers/agent_rollout.py", "--model-dir", scripted, env={"PYTHONPATH": ROOT}))
+
+
+def _turns(sample, requests):
+    """The engine requests of this sample's turns, in order: (prompt length, generated ids)."""
+    full = sample["prompt_ids"] + sample["response_ids"]
+    mine = {(len(r["prompt"]), tuple(r["generated"])) for r in requests
+            if full[:len(r["prompt"]) + len(r["generated"])] == r["prompt"] + r["generated"]}
+    return sorted(mine)
+
+
+MODES = ["ok", "raise", "hang", "big", "single"]
+
+
+def test_training_sequences_are_the_engines_ids_and_the_inserted_ids(scripted, rollouts):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(scripted)
+    question = [{"role": "user", "content": "What is 2 + 3 ?"}]
+    rendered = tokenizer.apply_chat_template(question, tools=rollouts["schemas"], tokenize=False,
+                                             add_generation_prompt=True)
+    opening = tokenizer.encode(rendered, add_special_tokens=False)
+    for sample in rollouts["samples"]:
+        assert sample["prompt_ids"] == opening
+        full = sample["prompt_ids"] + sample["response_ids"]
+        turns = _turns(sample, rollouts["requests"])
+        tools = [m["content"] for m in sample["trajectory"] if m["role"] == "tool"]
+        expected_mask, position = [], len(opening)
+        for k, (prompt_length, generated) in enumerate(turns):
+            assert prompt_length == position  # the request was the whole conversation so far
+            expected_mask += [1] * len(generated)
+            position += len(generated)
+            if k + 1 < len(turns):  # what went in between: the tool turn as the template writes it
+                inserted = full[position:turns[k + 1][0]]
+                text = f"\n<|im_start|>tool\n{tools[k]}<|im_end|>\n<|im_start|>assistant\n"
+                assert inserted == tokenizer.encode(text, add_special_tokens=False)
+                expected_mask += [0] * len(inserted)
+                position += len(inserted)
+        assert position == len(full)
+        assert sample["mask"] == expected_mask
+        assert all(lp == 0.0 for lp, m in zip(sample["logprobs"], sample["mask"]) if m == 0)
+
+
+def test_three_turns_with_tools_and_misbehaving_tools_become_messages(rollouts):
+    samples = rollouts["samples"]
+    assert [s["prompt_index"] for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    by_mode = {mode: samples[2 * i] for i, mode in enumerate(MODES)}
+    for mode in ("ok", "raise", "hang", "big"):
+        sample = by_mode[mode]
+        assert sample["finish_reason"] == "max_turns" and sample["events"]["turns"] == 3
+        assert sample["events"]["tool_calls"] == 2
+        roles = [m["role"] for m in sample["trajectory"]]
+        assert roles == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+        call = sample["trajectory"][1]["tool_calls"][0]["function"]
+        assert call == {"name": "calculator", "arguments": {"expression": "2 + 3"}}
+    said = {mode: by_mode[mode]["trajectory"][2]["content"] for mode in MODES[:4]}
+    assert said["ok"] == "5"
+    assert said["raise"] == "Error: RuntimeError: kaput" and by_mode["raise"]["events"]["tool_errors"] == 2
+    assert said["hang"] == "Error: timed out after 2 s" and by_mode["hang"]["events"]["tool_timeouts"] == 2
+    assert said["big"] == "7" * 100 + "\n[output cut at 100 characters]"
+    assert by_mode["big"]["events"]["tool_output_cut"] == 2
+    single = by_mode["single"]  # agent_name single_turn: no tools, the call is just text
+    assert single["finish_reason"] == "stop" and single["events"]["turns"] == 1
+    assert single["events"]["tool_calls"] == 0 and single["trajectory"][1]["tool_calls"] == []
+    assert json.dumps(rollouts["schemas"]).count('"calculator"') == 1
