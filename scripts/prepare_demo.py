@@ -2,7 +2,8 @@
 tokenizer, a tiny HF checkpoint with that tokenizer's vocabulary (OUT/model; Qwen3-MoE-style
 unless --model names another family),
 warm-started, and its Megatron conversion made with the project's converter (OUT/megatron; not with
---hf-only)."""
+--hf-only). --task tools: the tool demo's three-digit additions, with a calculator's calls in the
+tokenizer and in the warm start (megarl/demo/tool_task.py; configs/demo_tools_cpu.yaml)."""
 
 import argparse
 import json
@@ -12,6 +13,7 @@ import sys
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.demo.tiny_checkpoint import FAMILIES, make_tiny_checkpoint
+from megarl.demo.tool_task import tool_records, train_tool_tokenizer, warm_start_traces
 from megarl.trainer import console
 
 
@@ -21,7 +23,9 @@ def main():
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--max-operand", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sft-steps", type=int, default=8, help="warm-start steps (0: random model)")
+    parser.add_argument("--task", default="addition", choices=("addition", "tools"))
+    parser.add_argument("--sft-steps", type=int, default=None,
+                        help="warm-start steps (0: random model; default 8, with --task tools 150)")
     parser.add_argument("--model", default="qwen3_moe", choices=sorted(FAMILIES),
                         help="the tiny model's family (megarl/demo/tiny_checkpoint.py)")
     parser.add_argument("--hf-only", action="store_true",
@@ -35,18 +39,22 @@ def main():
 
 
 def prepare(args) -> None:
-    records = arithmetic_records(args.prompts, args.max_operand, args.seed)
+    tools = args.task == "tools"
+    records = tool_records(args.prompts, args.seed) if tools else \
+        arithmetic_records(args.prompts, args.max_operand, args.seed)
+    steps = args.sft_steps if args.sft_steps is not None else 150 if tools else 8
     model_dir = os.path.join(args.out, "model")
     os.makedirs(args.out, exist_ok=True)
     write_jsonl(records, os.path.join(args.out, "train.jsonl"))
-    train_tokenizer(records, model_dir)
+    (train_tool_tokenizer if tools else train_tokenizer)(records, model_dir)
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     make_tiny_checkpoint(args.model, model_dir, seed=args.seed, vocab_size=len(tokenizer),
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    nll = warm_start(model_dir, tokenizer, records, args.sft_steps, args.seed)
+    traces = warm_start_traces(records, tokenizer, args.seed) if tools else _answers(records, tokenizer)
+    nll = warm_start(model_dir, tokenizer, traces, steps, args.seed)
     # The user-facing converter, as a fresh world of one (the actor loads it at any layout). The
     # warm start's world exported its rendezvous variables; its port may still be held.
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -59,13 +67,25 @@ def prepare(args) -> None:
     # --sft-steps 0 keeps the random model: no NLL to report.
     trained = f" (answer NLL {nll[0]:.2f} -> {nll[-1]:.2f})" if nll else ""
     console.say(f"megarl: demo inputs in {args.out}: {len(records)} prompts, vocab {len(tokenizer)}, "
-                f"{args.sft_steps} warm-start steps{trained}; "
+                f"{steps} warm-start steps{trained}; "
                 f"log in {console.log_path(args.out, 'prepare')}")
 
 
-def warm_start(model_dir: str, tokenizer, records, steps: int, seed: int):
-    """A few SFT steps on prompt -> " answer</s>" so rollouts start with some right answers
-    (PPO from a random init never sees a reward); writes the weights back into model_dir."""
+def _answers(records, tokenizer):
+    """The addition task's warm-start traces: prompt -> " answer</s>", all of it trained."""
+    traces = []
+    for r in records:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                               add_generation_prompt=True)
+        answer = tokenizer.encode(" " + r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        traces.append((tokenizer.encode(prompt, add_special_tokens=False), answer, [1] * len(answer)))
+    return traces
+
+
+def warm_start(model_dir: str, tokenizer, traces, steps: int, seed: int):
+    """A few SFT steps on (prompt, target, loss mask) traces (the addition task: prompt ->
+    " answer</s>") so rollouts start with some right answers (PPO from a random init never sees a
+    reward); writes the weights back into model_dir."""
     import random
 
     from safetensors.torch import save_file
@@ -89,12 +109,11 @@ def warm_start(model_dir: str, tokenizer, records, steps: int, seed: int):
     load_hf_weights(chunks, arch, model_dir)
     actor = Actor(chunks, arch, ActorConfig(optim=OptimConfig(lr=1e-3)))
     rng = random.Random(seed)
-    pairs = [(tokenizer.encode(tokenizer.apply_chat_template(
-                  [{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True),
-                  add_special_tokens=False),
-              tokenizer.encode(" " + r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id])
-             for r in records]
-    losses = [sft_step(actor, sft_batch(rng.sample(pairs, 32)))["nll"] for _ in range(steps)]
+    losses = []
+    for _ in range(steps):
+        chosen = rng.sample(traces, 32)
+        batch = sft_batch([(prompt, target) for prompt, target, _ in chosen], [mask for _, _, mask in chosen])
+        losses.append(sft_step(actor, batch)["nll"])
     tensors = {k: v.contiguous() for k, v in gather_hf_tensors(chunks, arch).items()}
     # One file with the trained weights and the untrained MTP layer, replacing the made ones.
     reader = SafetensorsReader(model_dir)

@@ -19,7 +19,8 @@ TIERS = {
     # the sandbox and the tool pool start processes; the rollouts run real vLLM
     "test_agent_loop": (E2E, {name: UNIT for name in (
         "test_hermes_calls_are_parsed_and_bad_ones_named", "test_calculator_is_exact_and_refuses_code",
-        "test_schemas_come_from_the_attribute_or_the_signature")}),
+        "test_schemas_come_from_the_attribute_or_the_signature",
+        "test_tool_demo_traces_call_insert_and_answer")}),
     "test_algos_advantage_step": UNIT,
     "test_algos_advantages": UNIT,
     "test_algos_losses": UNIT,

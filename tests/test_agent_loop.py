@@ -159,3 +159,29 @@ def test_three_turns_with_tools_and_misbehaving_tools_become_messages(rollouts):
     assert single["finish_reason"] == "stop" and single["events"]["turns"] == 1
     assert single["events"]["tool_calls"] == 0 and single["trajectory"][1]["tool_calls"] == []
     assert json.dumps(rollouts["schemas"]).count('"calculator"') == 1
+
+
+def test_tool_demo_traces_call_insert_and_answer(tmp_path):
+    """The tool demo's warm start: a tool trace is the call and its end, the result as the agent
+    loop inserts it (out of the loss), then the answer; the call parses to the calculator's."""
+    import transformers
+
+    from megarl.demo.tool_task import tool_records, train_tool_tokenizer, warm_start_traces
+
+    records = tool_records(50, seed=3)
+    train_tool_tokenizer(records, str(tmp_path))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    traces = warm_start_traces(records, tokenizer, seed=3)
+    tool_traces = [(r, t) for r, t in zip(records, traces) if 0 in t[2]]
+    assert 10 < len(tool_traces) < 40  # about half
+    for record, (prompt, target, mask) in tool_traces:
+        assert tokenizer.decode(prompt) == f"{record['prompt']} Answer:"
+        first_end = target.index(tokenizer.eos_token_id)
+        call = hermes(tokenizer.decode(target[:first_end], skip_special_tokens=True)).calls
+        assert call == [ToolCall("calculator", {"expression": record["prompt"][8:-1]})]
+        assert calculator(call[0].arguments["expression"]) == record["answer"]
+        holes = [i for i, m in enumerate(mask) if m == 0]
+        assert holes == list(range(first_end + 1, holes[-1] + 1))  # one run, right after the call
+        # (a piece's decode drops its leading space)
+        assert tokenizer.decode(target[holes[0]:holes[-1] + 1]) == f"Result: {record['answer']} Answer:"
+        assert tokenizer.decode(target[holes[-1] + 1:], skip_special_tokens=True).strip() == record["answer"]

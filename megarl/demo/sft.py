@@ -6,7 +6,7 @@ surrogate's gradient is exactly the gradient of the targets' mean log-likelihood
 so SFT needs no second training path. Used to warm-start the demo model.
 """
 
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -14,14 +14,17 @@ from megarl.actor.actor import Actor
 from megarl.batch.rollout_batch import RolloutBatch
 
 
-def sft_batch(pairs: List[Tuple[List[int], List[int]]]) -> RolloutBatch:
-    """(prompt ids, target ids) -> rows with the loss on the target tokens; one group each."""
+def sft_batch(pairs: List[Tuple[List[int], List[int]]],
+              masks: Optional[Sequence[Sequence[int]]] = None) -> RolloutBatch:
+    """(prompt ids, target ids) -> rows with the loss on the target tokens (where masks[i], one
+    0/1 per target token, is 1: a multi-turn trace keeps inserted tokens out); one group each."""
     lengths = torch.tensor([len(p) + len(t) for p, t in pairs])
     tokens = torch.zeros(len(pairs), int(lengths.max()), dtype=torch.long)
     mask = torch.zeros(tokens.shape)
     for row, (prompt, target) in enumerate(pairs):
         tokens[row, :len(prompt) + len(target)] = torch.tensor(prompt + target)
-        mask[row, len(prompt):len(prompt) + len(target)] = 1.0
+        mask[row, len(prompt):len(prompt) + len(target)] = 1.0 if masks is None else torch.tensor(
+            masks[row], dtype=torch.float32)
     return RolloutBatch(tokens=tokens, lengths=lengths, loss_mask=mask,
                         group_ids=torch.arange(len(pairs)))
 
