@@ -6,11 +6,11 @@ AutoTokenizer, with a chat template that ends prompts with " Answer:"). Determin
 Does not own the model (models/tiny_checkpoint.py) or scoring (rewards.py).
 """
 
-import io
 import json
-import os
 import random
 from typing import Dict, List
+
+from megarl.demo.sentencepiece_tokenizer import train_sentencepiece
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %} Answer:{% endif %}")
@@ -34,20 +34,5 @@ def write_jsonl(records: List[dict], path: str) -> None:
 
 def train_tokenizer(records: List[Dict[str, str]], out_dir: str, vocab_size: int = 48) -> None:
     """A BPE sentencepiece model over the task's text, saved as an HF tokenizer folder."""
-    import sentencepiece as spm
-    import transformers
-
-    lines = [f"{r['prompt']} Answer: {r['answer']}" for r in records]
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type="bpe",
-        split_digits=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=3,
-        minloglevel=2)
-    os.makedirs(out_dir, exist_ok=True)
-    spm_dir = os.path.join(out_dir, "sentencepiece")
-    os.makedirs(spm_dir, exist_ok=True)
-    with open(os.path.join(spm_dir, "tokenizer.model"), "wb") as f:
-        f.write(model.getvalue())
-    tokenizer = transformers.LlamaTokenizer.from_pretrained(spm_dir, add_bos_token=False)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out_dir)
+    train_sentencepiece([f"{r['prompt']} Answer: {r['answer']}" for r in records], out_dir, vocab_size,
+                        CHAT_TEMPLATE)

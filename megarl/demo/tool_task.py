@@ -11,11 +11,11 @@ with some calls and some guesses; the reward (math) is earned by calling the too
 result, which RL then has to find. Deterministic for a seed.
 """
 
-import io
 import json
-import os
 import random
 from typing import Dict, List, Tuple
+
+from megarl.demo.sentencepiece_tokenizer import train_sentencepiece
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %} Result: {{ m['content'] }}"
                  "{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
@@ -41,24 +41,10 @@ def tool_call(record: Dict[str, str]) -> str:
 def train_tool_tokenizer(records: List[Dict[str, str]], out_dir: str, vocab_size: int = 128) -> None:
     """A BPE sentencepiece model over the task's traces (digits split), with <tool_call> and
     </tool_call> as single pieces, saved as an HF tokenizer folder."""
-    import sentencepiece as spm
-    import transformers
-
     lines = [f"{r['prompt']} Answer: {tool_call(r)} Result: {r['answer']} Answer: {r['answer']}"
              for r in records]
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type="bpe",
-        split_digits=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=3,
-        user_defined_symbols=["<tool_call>", "</tool_call>"], normalization_rule_name="identity",
-        minloglevel=2)
-    spm_dir = os.path.join(out_dir, "sentencepiece")
-    os.makedirs(spm_dir, exist_ok=True)
-    with open(os.path.join(spm_dir, "tokenizer.model"), "wb") as f:
-        f.write(model.getvalue())
-    tokenizer = transformers.LlamaTokenizer.from_pretrained(spm_dir, add_bos_token=False)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(out_dir)
+    train_sentencepiece(lines, out_dir, vocab_size, CHAT_TEMPLATE, symbols=("<tool_call>", "</tool_call>"),
+                        normalization_rule_name="identity")
 
 
 def warm_start_traces(records: List[Dict[str, str]], tokenizer, seed: int, tool_share: float = 0.5

@@ -5,7 +5,8 @@ Owns the SampleProducer protocol, the built-in producer (one completion per samp
 samples of all of them (`sampling.n` each, `prompt_index` into the prompts it was given); a
 producer that edits a sample's tokens keeps its `routed_experts` (when the engine returned them)
 one row per token fed through the engine; one that inserts tokens the engine did not generate
-marks them 0 in `response_mask`. Does not own splitting prompts over engines or
+marks them 0 in `response_mask`. A producer that holds processes (the agent loop's tool workers)
+has a `close()`, called when the run ends. Does not own splitting prompts over engines or
 gathering samples (collect.py).
 """
 

@@ -107,3 +107,6 @@ class ColocatedRollouts:
     def shutdown(self) -> None:
         self.engine.shutdown()
         self.scorer.close()
+        close = getattr(self.producer, "close", None)  # producers holding processes (the agent's tools)
+        if close is not None:
+            close()
