@@ -20,7 +20,7 @@ TIERS = {
     "test_agent_loop": (E2E, {name: UNIT for name in (
         "test_hermes_calls_are_parsed_and_bad_ones_named", "test_calculator_is_exact_and_refuses_code",
         "test_schemas_come_from_the_attribute_or_the_signature",
-        "test_tool_demo_traces_call_insert_and_answer")}),
+        "test_tool_demo_traces_call_insert_and_answer", "test_records_choose_tools_as_verl_lays_them_out")}),
     "test_algos_advantage_step": UNIT,
     "test_algos_advantages": UNIT,
     "test_algos_losses": UNIT,

@@ -185,3 +185,16 @@ def test_tool_demo_traces_call_insert_and_answer(tmp_path):
         # (a piece's decode drops its leading space)
         assert tokenizer.decode(target[holes[0]:holes[-1] + 1]) == f"Result: {record['answer']} Answer:"
         assert tokenizer.decode(target[holes[-1] + 1:], skip_special_tokens=True).strip() == record["answer"]
+
+
+def test_records_choose_tools_as_verl_lays_them_out():
+    from megarl.rollout.agent_loop import _record_kwargs, _uses_tools
+
+    assert _uses_tools(None) and _uses_tools("tool_agent")
+    assert not _uses_tools("single_turn_agent") and not _uses_tools("single_turn")
+    with pytest.raises(ValueError, match="agent_name='react_agent'"):
+        _uses_tools("react_agent")
+    assert _record_kwargs({"calc": {"mode": "x"}}, "calc") == {"mode": "x"}
+    verl = {"calc": {"create_kwargs": {"ground_truth": "5"}, "execute_kwargs": {"mode": "y"}}}
+    assert _record_kwargs(verl, "calc") == {"ground_truth": "5", "mode": "y"}
+    assert _record_kwargs(verl, "other") == {}

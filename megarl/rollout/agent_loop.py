@@ -18,9 +18,11 @@ Limits: `max_turns` assistant turns, `sampling.max_new_tokens` response tokens i
 and inserted; a conversation that would pass it ends there, finish reason "length"), and
 `max_tool_output_chars` per tool result (longer ones are cut, marked and counted). A tool that
 raises, hangs or names no known tool gives a tool message saying so and a counted event.
-Per record (verl's layout): `extra_info.tools_kwargs` {tool name: extra arguments} and
-`extra_info.interaction_kwargs` reach the tools and the interaction; `extra_info.agent_name`
-"single_turn" skips the tools for that record.
+Per record (verl's layout): `extra_info.tools_kwargs` {tool name: extra arguments, or verl's
+{"create_kwargs": ..., "execute_kwargs": ...}} is added to each call's arguments (the record's
+values win over the model's), `extra_info.interaction_kwargs` reaches the interaction, and
+`extra_info.agent_name` "single_turn_agent" (verl's name; "single_turn" too) skips the tools for
+that record; "tool_agent" or none uses them; any other name is refused.
 """
 
 from collections import Counter
@@ -109,7 +111,7 @@ class AgentLoop:
     def produce(self, engine, prompts: Sequence[Prompt], sampling: SamplingConfig) -> List[RolloutSample]:
         conversations = []
         for index, prompt in enumerate(prompts):
-            use_tools = bool(self.tools) and prompt.extra_info.get("agent_name") != "single_turn"
+            use_tools = bool(self.tools) and _uses_tools(prompt.extra_info.get("agent_name"))
             opening = first_prompt_ids(self.tokenizer, prompt.messages, self.schemas if use_tools else None)
             for j in range(sampling.n):
                 seed = None if sampling.seed is None else sampling.seed + j
@@ -200,7 +202,8 @@ class AgentLoop:
                 c.answers.append(_tool_message(call.name, f"Error: no tool {call.name!r}; the tools are "
                                                           f"{sorted(self.tools)}"))
                 continue
-            job = self.pool.submit((tool.key, ("tool", {**call.arguments, **extra.get(call.name, {})})))
+            arguments = {**call.arguments, **_record_kwargs(extra, call.name)}
+            job = self.pool.submit((tool.key, ("tool", arguments)))
             c.waiting[job] = (len(c.answers), "tool")
             c.answers.append(_tool_message(call.name, ""))  # its text when the result comes
             jobs[job] = c
@@ -231,6 +234,25 @@ class AgentLoop:
 
     def close(self) -> None:
         self.pool.close()
+
+
+AGENT_NAMES = {None: True, "tool_agent": True, "single_turn_agent": False, "single_turn": False}
+_VERL_TOOL_KWARGS = {"create_kwargs", "execute_kwargs"}
+
+
+def _uses_tools(agent_name) -> bool:
+    if agent_name not in AGENT_NAMES:
+        raise ValueError(f"extra_info.agent_name={agent_name!r}: megarl's agent loop knows "
+                         f"{sorted(n for n in AGENT_NAMES if n)} (verl's names); fix the record")
+    return AGENT_NAMES[agent_name]
+
+
+def _record_kwargs(tools_kwargs: Dict[str, Any], name: str) -> Dict[str, Any]:
+    """A record's extra arguments for tool `name`: as given, or verl's create/execute kwargs merged."""
+    given = tools_kwargs.get(name, {})
+    if given and set(given) <= _VERL_TOOL_KWARGS:
+        return {**given.get("create_kwargs", {}), **given.get("execute_kwargs", {})}
+    return given
 
 
 def _rendered(message: Dict[str, Any]) -> Dict[str, Any]:

@@ -44,7 +44,9 @@ def main():
     question = [{"role": "user", "content": "What is 2 + 3 ?"}]
     prompts = []
     for mode in args.modes.split(","):
-        extra = ({"agent_name": "single_turn"} if mode == "single"
+        # verl's layouts: agent_name, and tools_kwargs with create_kwargs (one record) or plain
+        extra = ({"agent_name": "single_turn_agent"} if mode == "single"
+                 else {"tools_kwargs": {"calculator": {"create_kwargs": {"mode": mode}}}} if mode == "raise"
                  else {"tools_kwargs": {"calculator": {"mode": mode}}})
         prompts.append(Prompt("", [], "5", "test", extra, tuple(question)))
     loop = AgentLoop(tokenizer, AgentConfig(tools=("tests.agent_tools:calculator",), max_turns=3,
