@@ -188,13 +188,13 @@ def test_tool_demo_traces_call_insert_and_answer(tmp_path):
 
 
 def test_records_choose_tools_as_verl_lays_them_out():
-    from megarl.rollout.agent_loop import _record_kwargs, _uses_tools
+    from megarl.rollout.agent_loop import record_kwargs, uses_tools
 
-    assert _uses_tools(None) and _uses_tools("tool_agent")
-    assert not _uses_tools("single_turn_agent") and not _uses_tools("single_turn")
+    assert uses_tools(None) and uses_tools("tool_agent")
+    assert not uses_tools("single_turn_agent") and not uses_tools("single_turn")
     with pytest.raises(ValueError, match="agent_name='react_agent'"):
-        _uses_tools("react_agent")
-    assert _record_kwargs({"calc": {"mode": "x"}}, "calc") == {"mode": "x"}
+        uses_tools("react_agent")
+    assert record_kwargs({"calc": {"mode": "x"}}, "calc") == {"mode": "x"}
     verl = {"calc": {"create_kwargs": {"ground_truth": "5"}, "execute_kwargs": {"mode": "y"}}}
-    assert _record_kwargs(verl, "calc") == {"ground_truth": "5", "mode": "y"}
-    assert _record_kwargs(verl, "other") == {}
+    assert record_kwargs(verl, "calc") == {"ground_truth": "5", "mode": "y"}
+    assert record_kwargs(verl, "other") == {}

@@ -367,6 +367,15 @@ def test_impossible_run_is_refused_before_anything_starts(demo_inputs, tmp_path,
     assert "ray" not in stderr.lower() and not run_dir.exists()
 
 
+def test_an_unknown_agent_is_refused_before_anything_starts(demo_inputs, tmp_path):
+    records = [json.loads(line) for line in open(demo_inputs / "train.jsonl")][:3]
+    records[2]["extra_info"] = {"agent_name": "react_agent"}
+    path = tmp_path / "agents.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stderr = _refusal_in_process(demo_inputs, tmp_path / "run", [*MULTI_TURN, f"data.path={path}"])
+    assert re.search(r"agents.jsonl prompt 2: extra_info.agent_name='react_agent'", stderr), stderr[-2000:]
+
+
 def test_a_reward_that_cannot_load_is_refused_before_anything_starts(demo_inputs, tmp_path):
     """Reward models are checked by preflight; a judge's config and a function load there too."""
     model = demo_inputs / "model"

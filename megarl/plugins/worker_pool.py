@@ -104,9 +104,6 @@ class WorkerPool:
             self._queue.append((index, job))
         return index
 
-    def pending(self) -> int:
-        return len(self._queue) + sum(w.index is not None for w in self.workers) + len(self._done)
-
     def poll(self, timeout_s: float = 0.0) -> List[Tuple[int, Result]]:
         """The jobs finished since the last poll (waiting up to `timeout_s` for one)."""
         deadline = time.monotonic() + timeout_s
@@ -114,6 +111,9 @@ class WorkerPool:
             self._dispatch()
             busy = [w for w in self.workers if w.index is not None]
             listening = [w for w in self.workers if w.index is not None or not w.ready]
+            if self._done or not listening:  # nothing to wait for (workers=0 finishes at submit)
+                done, self._done = self._done, []
+                return done
             now = time.monotonic()
             soonest = min([w.deadline for w in busy] + [deadline])
             for conn in wait([w.results for w in listening], timeout=max(0.0, soonest - now)):

@@ -111,7 +111,7 @@ class AgentLoop:
     def produce(self, engine, prompts: Sequence[Prompt], sampling: SamplingConfig) -> List[RolloutSample]:
         conversations = []
         for index, prompt in enumerate(prompts):
-            use_tools = bool(self.tools) and _uses_tools(prompt.extra_info.get("agent_name"))
+            use_tools = bool(self.tools) and uses_tools(prompt.extra_info.get("agent_name"))
             opening = first_prompt_ids(self.tokenizer, prompt.messages, self.schemas if use_tools else None)
             for j in range(sampling.n):
                 seed = None if sampling.seed is None else sampling.seed + j
@@ -202,7 +202,7 @@ class AgentLoop:
                 c.answers.append(_tool_message(call.name, f"Error: no tool {call.name!r}; the tools are "
                                                           f"{sorted(self.tools)}"))
                 continue
-            arguments = {**call.arguments, **_record_kwargs(extra, call.name)}
+            arguments = {**call.arguments, **record_kwargs(extra, call.name)}
             job = self.pool.submit((tool.key, ("tool", arguments)))
             c.waiting[job] = (len(c.answers), "tool")
             c.answers.append(_tool_message(call.name, ""))  # its text when the result comes
@@ -240,14 +240,14 @@ AGENT_NAMES = {None: True, "tool_agent": True, "single_turn_agent": False, "sing
 _VERL_TOOL_KWARGS = {"create_kwargs", "execute_kwargs"}
 
 
-def _uses_tools(agent_name) -> bool:
+def uses_tools(agent_name) -> bool:
     if agent_name not in AGENT_NAMES:
         raise ValueError(f"extra_info.agent_name={agent_name!r}: megarl's agent loop knows "
                          f"{sorted(n for n in AGENT_NAMES if n)} (verl's names); fix the record")
     return AGENT_NAMES[agent_name]
 
 
-def _record_kwargs(tools_kwargs: Dict[str, Any], name: str) -> Dict[str, Any]:
+def record_kwargs(tools_kwargs: Dict[str, Any], name: str) -> Dict[str, Any]:
     """A record's extra arguments for tool `name`: as given, or verl's create/execute kwargs merged."""
     given = tools_kwargs.get(name, {})
     if given and set(given) <= _VERL_TOOL_KWARGS:

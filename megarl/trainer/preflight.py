@@ -19,6 +19,7 @@ from megarl.models.megatron_config import check_te_dtype, transformer_config
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.destination import RolloutLayout, check_rollout
+from megarl.rollout.agent_loop import uses_tools
 from megarl.rollout.prompts import load_prompts
 from megarl.rollout.vllm_engine import check_engine_ep
 from megarl.trainer.config import RunConfig
@@ -54,8 +55,13 @@ def _check_data(config: RunConfig) -> None:
         raise FileNotFoundError(f"data.path={data.path!r} does not exist (a .jsonl or .parquet file "
                                 "of prompts)")
     tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
-    load_prompts(data.path, tokenizer, data.max_prompt_len, data.keys,
-                 data.overlong_prompts)
+    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.keys, data.overlong_prompts)
+    if config.generation.producer == "agent":
+        for index, prompt in enumerate(prompts.prompts):
+            try:
+                uses_tools(prompt.extra_info.get("agent_name"))
+            except ValueError as error:
+                raise ValueError(f"{data.path} prompt {index}: {error}") from None
     config.algo.reward_table.check()
 
 
