@@ -37,6 +37,24 @@ class Result:
     timed_out: bool = False
 
 
+class Loaded:
+    """A Caller over functions loaded by name at their first use (`load`), each job's payload
+    handed to `apply(function, payload)`. A failure, loading included, is returned as its message,
+    never raised: a user's function must not end the run."""
+
+    def __init__(self, load: Callable[[str], Callable], apply: Callable[[Callable, Any], Any]):
+        self.load, self.apply = load, apply
+        self._loaded: Dict[str, Callable] = {}
+
+    def call(self, name: str, payload: Any) -> Tuple[Any, Optional[str]]:
+        try:
+            if name not in self._loaded:
+                self._loaded[name] = self.load(name)
+            return (None if payload is None else self.apply(self._loaded[name], payload)), None
+        except Exception as error:
+            return None, f"{type(error).__name__}: {error}"
+
+
 def serve(in_fd: int, out_fd: int, caller: Caller, preload: Sequence[str]) -> None:
     """A worker's life: load `preload`, say READY, then answer (index, name, payload) jobs with
     (index, value, error) until the parent closes the pipe (or dies)."""

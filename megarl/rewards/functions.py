@@ -18,9 +18,10 @@ import inspect
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 from megarl.plugins.loading import load_callable
+from megarl.plugins.worker_pool import Loaded
 from megarl.rewards.builtin import BUILTIN
 from megarl.rewards.judge import Judge
 from megarl.rewards.spec import JUDGE_PREFIX, RewardSpec, parse_spec
@@ -113,21 +114,9 @@ def load_reward(name: str) -> Callable[[Request], Outcome]:
     return lambda r: _outcome(judge(r.response, r.ground_truth, r.data_source, r.messages))
 
 
-class LoadedFunctions:
-    """Reward functions by name, each loaded at its first use; a call's failure (loading
-    included) is returned as its message, not raised: a user's function must not end the run."""
-
-    def __init__(self):
-        self._loaded: Dict[str, Callable[[Request], Outcome]] = {}
-
-    def call(self, name: str, request: Optional[Request]) -> Tuple[Optional[Outcome], Optional[str]]:
-        """(the outcome, None) or (None, why it failed); request None only loads."""
-        try:
-            if name not in self._loaded:
-                self._loaded[name] = load_reward(name)
-            return (None if request is None else self._loaded[name](request)), None
-        except Exception as error:
-            return None, f"{type(error).__name__}: {error}"
+def loaded_functions() -> Loaded:
+    """The scoring pool's Caller: reward functions and judges by name, a job's payload its Request."""
+    return Loaded(load_reward, lambda function, request: function(request))
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ Result's value is the function's Outcome."""
 from typing import Sequence
 
 from megarl.plugins.worker_pool import WorkerPool
-from megarl.rewards.functions import LoadedFunctions
+from megarl.rewards.functions import loaded_functions
 
 
 def scoring_pool(workers: int, timeout_s: float, preload: Sequence[str] = ()) -> WorkerPool:
     """Its jobs are (function name, Request)."""
-    return WorkerPool("megarl.rewards.worker", LoadedFunctions, workers, timeout_s, preload)
+    return WorkerPool("megarl.rewards.worker", loaded_functions, workers, timeout_s, preload)

@@ -12,6 +12,7 @@ Weights are plain numbers (negative ones included: `math + -0.1*rm:PATH`); a ter
 weighs 1. Parsing is pure and names the bad term.
 """
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Tuple
@@ -49,6 +50,7 @@ class RewardSpec:
         return tuple(t.model_path for t in self.terms if t.is_model)
 
 
+@functools.lru_cache(maxsize=None)  # a run names a few texts; the scorer asks for one per sample
 def parse_spec(text: str, where: str = "algo.reward") -> RewardSpec:
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{where}={text!r}: name a reward, e.g. 'math' or 'math + 0.5*rm:PATH'")

@@ -10,7 +10,7 @@ torch: it starts in a moment.
 import sys
 
 from megarl.plugins.worker_pool import serve
-from megarl.rewards.functions import LoadedFunctions
+from megarl.rewards.functions import loaded_functions
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), int(sys.argv[2]), LoadedFunctions(), sys.argv[3:])
+    serve(int(sys.argv[1]), int(sys.argv[2]), loaded_functions(), sys.argv[3:])

@@ -36,7 +36,7 @@ from megarl.rollout.chat_insert import first_prompt_ids, inserted_ids
 from megarl.rollout.engine import RolloutSample, SamplingConfig
 from megarl.rollout.prompts import Prompt
 from megarl.rollout.tool_calls import ParsedTurn, load_parser
-from megarl.rollout.tools import LoadedTools, load_tool
+from megarl.rollout.tools import load_tool, loaded_tools
 
 EVENTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_output_cut", "call_parse_errors",
           "interaction_errors", "budget_ends")
@@ -105,7 +105,7 @@ class AgentLoop:
             raise ValueError(f"generation.agent.tools={list(config.tools)} name one tool twice")
         self.schemas = [tool.schema for tool in loaded] or None
         preload = [tool.key for tool in loaded] + ([config.interaction] if config.interaction else [])
-        self.pool = WorkerPool("megarl.rollout.tool_worker", LoadedTools, config.tool_workers,
+        self.pool = WorkerPool("megarl.rollout.tool_worker", loaded_tools, config.tool_workers,
                                config.tool_timeout_s, preload)
 
     def produce(self, engine, prompts: Sequence[Prompt], sampling: SamplingConfig) -> List[RolloutSample]:

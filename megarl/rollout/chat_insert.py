@@ -20,10 +20,13 @@ def _render(tokenizer, messages, tools, generation_prompt: bool) -> str:
                                          add_generation_prompt=generation_prompt)
 
 
+def _close(base_text: str) -> str:
+    return base_text[base_text.rindex(_SAID) + len(_SAID):]
+
+
 def assistant_close(tokenizer, tools: Optional[Sequence[Dict[str, Any]]] = None) -> str:
     """What the template writes after an assistant turn's content."""
-    text = _render(tokenizer, _BASE, tools, False)
-    return text[text.rindex(_SAID) + len(_SAID):]
+    return _close(_render(tokenizer, _BASE, tools, False))
 
 
 def inserted_text(tokenizer, generated_ids: List[int], new_messages: Sequence[Dict[str, Any]],
@@ -36,7 +39,7 @@ def inserted_text(tokenizer, generated_ids: List[int], new_messages: Sequence[Di
         raise ValueError("the chat template renders earlier turns differently once more messages "
                          f"follow ({before[-80:]!r} vs {after[:len(before)][-80:]!r}), so the tokens "
                          "between turns cannot be inserted exactly; use a template that appends turns")
-    close = assistant_close(tokenizer, tools)
+    close = _close(before)
     ended = tokenizer.decode(generated_ids[-1:], skip_special_tokens=False) if generated_ids else ""
     rest = close[len(ended):] if ended and close.startswith(ended) else close
     return rest + after[len(before):]

@@ -6,7 +6,7 @@
 import sys
 
 from megarl.plugins.worker_pool import serve
-from megarl.rollout.tools import LoadedTools
+from megarl.rollout.tools import loaded_tools
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), int(sys.argv[2]), LoadedTools(), sys.argv[3:])
+    serve(int(sys.argv[1]), int(sys.argv[2]), loaded_tools(), sys.argv[3:])

@@ -19,9 +19,10 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 from megarl.plugins.loading import load_callable
+from megarl.plugins.worker_pool import Loaded
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
@@ -147,24 +148,16 @@ def as_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-class LoadedTools:
-    """The tool worker's Caller: tools and interactions by configured key, loaded once. A payload
-    is ("tool", arguments) -> the tool's text, or ("interaction", (messages, kwargs)) -> what the
+def _apply(function: Callable, payload: Tuple[str, Any]) -> Any:
+    """("tool", arguments) -> the tool's text; ("interaction", (messages, kwargs)) -> what the
     interaction returned."""
+    kind, arguments = payload
+    if kind == "tool":
+        return as_text(function(**arguments))
+    messages, kwargs = arguments
+    return function(messages, **kwargs)
 
-    def __init__(self):
-        self._loaded: Dict[str, Callable] = {}
 
-    def call(self, key: str, payload: Optional[Tuple[str, Any]]) -> Tuple[Any, Optional[str]]:
-        try:
-            if key not in self._loaded:
-                self._loaded[key] = load_callable(key, BUILTIN, "tool or interaction")
-            if payload is None:
-                return None, None
-            kind, arguments = payload
-            if kind == "tool":
-                return as_text(self._loaded[key](**arguments)), None
-            messages, kwargs = arguments
-            return self._loaded[key](messages, **kwargs), None
-        except Exception as error:
-            return None, f"{type(error).__name__}: {error}"
+def loaded_tools() -> Loaded:
+    """The tool worker's Caller: tools and interactions by configured key, loaded once."""
+    return Loaded(lambda key: load_callable(key, BUILTIN, "tool or interaction"), _apply)

@@ -271,7 +271,7 @@ class RunConfig:
                                  "generate while their ranks train")
             return
         refused = {"algo.dynamic_sampling_rounds": self.algo.dynamic_sampling_rounds,
-                   "generation.producer": "" if not agent and self.generation.producer == "completion"
+                   "generation.producer": "" if self.generation.producer == "completion"
                    else self.generation.producer,
                    "offload_params": self.offload_params,
                    "generation.return_routing / actor.router_replay=rollout": self.engine_returns_routing}
