@@ -15,7 +15,7 @@ from megarl.resharding import cluster_plan as cp
 from megarl.resharding.destination import DestTensor, Region, RolloutLayout, vllm_layout
 from megarl.resharding.plan import Bucket, Copy, Plan, build_plan
 from megarl.resharding.source_layout import layout_pieces
-from tests.published_configs import QWEN3_30B_A3B, QWEN3_235B_A22B
+from tests.published_configs import DEEPSEEK_V3, KIMI_K2, QWEN3_30B_A3B, QWEN3_235B_A22B
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,7 +72,7 @@ def test_seconds_arithmetic_by_hand():
     copies = (_copy(1, 0, 1_000_000), _copy(2, 0, 25_000, dim=1), _copy(2, 0, 25_000, dim=1),
               _copy(0, 0, 750_000))
     tensors = {0: (DestTensor("m.w", (5_000, 1_000), (Region("c", 0, 0, 5_000, 0),)),)}
-    plan = Plan((Bucket(("m",), (copies,)),), tensors)
+    plan = Plan((Bucket({0: ("m",)}, (copies,)),), tensors)
     stats, timing = cp.plan_stats(plan, (0, 0, 1), 4, links)
     r0, r1, r2 = stats[0], stats[1], stats[2]
     assert (r0.recv_intra, r0.recv_inter, r0.local_bytes, r0.packed_bytes) == (4e6, 2e5, 3e6, 2e5)
@@ -94,8 +94,8 @@ def test_seconds_arithmetic_by_hand():
 def test_rounds_run_in_parallel_unless_they_share_a_rank():
     links = cp.Links(nvlink_gbps=1.0, message_us=0, copy_us=0, round_us=0)
     big = 2**20 // 4  # a direct message of 1 MiB
-    apart = Plan((Bucket(("m",), ((_copy(0, 1, big),), (_copy(2, 3, 2 * big),))),), {})
-    chained = Plan((Bucket(("m",), ((_copy(0, 1, big),), (_copy(1, 2, 2 * big),))),), {})
+    apart = Plan((Bucket({0: ("m",)}, ((_copy(0, 1, big),), (_copy(2, 3, 2 * big),))),), {})
+    chained = Plan((Bucket({0: ("m",)}, ((_copy(0, 1, big),), (_copy(1, 2, 2 * big),))),), {})
     one, two = 2**20 / 1e9, 2 * 2**20 / 1e9
     _, t = cp.plan_stats(apart, (0,) * 4, 4, links)
     assert (t.seconds, t.seconds_barrier, t.seconds_rank_bound) == pytest.approx((two, one + two, two))
@@ -195,9 +195,12 @@ def test_the_script_refuses_bad_flags(flags, message, capsys, tmp_path):
 
 
 def test_published_config_files_are_the_published_configs():
-    for name, config in (("qwen3-30b-a3b", QWEN3_30B_A3B), ("qwen3-235b-a22b", QWEN3_235B_A22B)):
+    for name, config in (("qwen3-30b-a3b", QWEN3_30B_A3B), ("qwen3-235b-a22b", QWEN3_235B_A22B),
+                         ("deepseek-v3", DEEPSEEK_V3), ("kimi-k2", KIMI_K2)):
         with open(os.path.join(ROOT, "docs", "configs", f"{name}.json")) as f:
             assert json.load(f) == config, name
     arch = cp.arch_of(QWEN3_235B_A22B)
     shape = (arch.num_layers, arch.num_experts, arch.moe_ffn_hidden_size, arch.hidden_size)
     assert shape == (94, 128, 1536, 4096)
+    kimi = cp.arch_of(KIMI_K2)
+    assert (kimi.num_layers, kimi.num_experts, kimi.num_heads, kimi.first_dense_layers) == (61, 384, 64, 1)

@@ -230,9 +230,10 @@ def test_buckets_hold_whole_modules_and_rounds_fit_the_bucket():
     arch = _arch(num_layers=4)
     pieces = layout_pieces(arch, ParallelDims(world_size=2, pp=2))
     layout = tuple(sorted(vllm_layout(arch, RolloutLayout(1), 2).items()))
-    small = build_plan(pieces, layout, 4096)
-    modules = [m for b in small.buckets for m in b.modules]
-    assert len(modules) == len(set(modules)) and len(small.buckets) > 4
+    small = build_plan(pieces, layout, 4096, None, RolloutLayout(1).engines(2))
+    for rank, tensors in layout:  # every module of a rank's engine once, in one bucket
+        modules = [m for b in small.buckets for m in b.modules.get(rank, ())]
+        assert sorted(modules) == sorted({t.module for t in tensors}) and len(small.buckets) > 4
     for bucket in small.buckets:
         for i, copies in enumerate(bucket.rounds):
             packed, buffers = [c for c in copies if c.src != c.dst and not c.direct], {}
@@ -241,7 +242,7 @@ def test_buckets_hold_whole_modules_and_rounds_fit_the_bucket():
                     buffers[r] = buffers.get(r, 0) + c.nbytes
             assert len(packed) <= 1 or max(buffers.values()) <= 4096
             assert i == 0 or len(packed) == len(copies)  # local and direct copies: round 0
-    assert build_plan(pieces, layout, 4096) is small  # cached per layout
+    assert build_plan(pieces, layout, 4096, None, RolloutLayout(1).engines(2)) is small  # cached
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -277,3 +278,26 @@ def test_a_destination_the_source_cannot_fill_is_refused():
     other = vllm_layout(_arch(num_layers=3), RolloutLayout(1), 1)
     with pytest.raises(ValueError, match="missing .*decoder.layers.2"):
         build_plan(pieces, tuple(sorted(other.items())), 100)
+
+
+@pytest.mark.parametrize("pp,rollout_tp,bucket", [(4, 2, 2**14), (2, 1, 2**14), (4, 1, 2**15), (8, 1, 2**13)])
+def test_every_stage_sends_in_every_bucket_to_its_share_of_the_engines(pp, rollout_tp, bucket):
+    """With PP, the engines' buckets read different stages (plan._engine_order): in each bucket
+    the busiest sender sends about what the busiest receiver receives. With one order for every
+    engine, a bucket's one stage sent to all engines: the senders' sums were ~pp/2 x higher."""
+    arch, world = _arch(num_layers=8, hidden_size=64, ffn_hidden_size=128), 8
+    rollout = RolloutLayout(rollout_tp)
+    layout = tuple(sorted(vllm_layout(arch, rollout, world).items()))
+    plan = build_plan(layout_pieces(arch, ParallelDims(world_size=world, pp=pp)), layout, bucket,
+                      None, rollout.engines(world))
+    busiest_sender = busiest_receiver = 0
+    for b in plan.buckets:
+        sent, received = {}, {}
+        for c in b.copies:
+            if c.src != c.dst:
+                sent[c.src] = sent.get(c.src, 0) + c.nbytes
+                received[c.dst] = received.get(c.dst, 0) + c.nbytes
+        busiest_sender += max(sent.values(), default=0)
+        busiest_receiver += max(received.values(), default=0)
+    assert len(plan.buckets) >= 4
+    assert busiest_sender <= 1.3 * busiest_receiver, (busiest_sender, busiest_receiver)

@@ -287,7 +287,7 @@ def plan_stats(plan: Plan, node_of: Tuple[int, ...], itemsize: int, links: Links
             for rank, nbytes in alloc.items():
                 buffers[rank] = max(buffers.get(rank, 0), nbytes)
         for rank in set(buffers) | set(module_bytes):
-            opened = sum(module_bytes.get(rank, {}).get(m, 0) for m in bucket.modules)
+            opened = sum(module_bytes.get(rank, {}).get(m, 0) for m in bucket.modules.get(rank, ()))
             st = stats.setdefault(rank, RankStats(rank))
             st.peak_bytes = max(st.peak_bytes, opened + buffers.get(rank, 0))
     timing = Timing(seconds=max((schedule.free(r) for r in range(len(node_of))), default=0.0),
@@ -439,7 +439,7 @@ def plan_cluster(arch: ModelArch, dims: ParallelDims, rollout: RolloutLayout, gp
     subset = tuple((rank, tensors) for rank, tensors in sorted(layout.items())
                    if rank // rollout.size in wanted)
     node_of = tuple(rank // gpus_per_node for rank in range(world))
-    plan = build_plan(pieces, subset, bucket_bytes, node_of)
+    plan = build_plan(pieces, subset, bucket_bytes, node_of, rollout.engines(world))
     planned = time.perf_counter()
     itemsize = DTYPES[arch.dtype].itemsize
     ranks, timing = plan_stats(plan, node_of, itemsize, links)

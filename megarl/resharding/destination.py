@@ -86,6 +86,11 @@ class RolloutLayout:
     def size(self) -> int:
         return max(self.tp, self.ep)
 
+    def engines(self, world: int, first_rank: int = 0) -> Tuple[Tuple[int, ...], ...]:
+        """Each engine's ranks, the first at `first_rank`."""
+        return tuple(tuple(range(first_rank + start, first_rank + start + self.size))
+                     for start in range(0, world, self.size))
+
 
 # Multi-latent attention (DeepSeek): vLLM splits these over its TP ranks by whole heads, as
 # Megatron's column-parallel linears do; the down projections are replicated, and with a low-rank

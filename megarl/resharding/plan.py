@@ -10,10 +10,13 @@ Each destination region is cut by the TP shards that hold it, and each cut is re
 replica of its shard (DP/CP/EP copies): the destination rank itself when it holds one (a local
 copy, nothing sent), else one on the same node, else the least loaded, so each rank receives
 only the bytes of its own engine shard. Buckets hold whole destination modules (the engine
-finishes a module at once), in the weight-table order (layer by layer). Each rank's own share of
-every round is indexed once with the plan, so a sync never walks other ranks' copies.
+finishes a module at once), layer by layer in weight-table order within each pipeline stage;
+each independent engine takes the stages in turn from its own starting stage, so in every bucket
+every stage sends, each to its share of the engines. Each rank's own share of every round is
+indexed once with the plan, so a sync never walks other ranks' copies.
 """
 
+import collections
 import functools
 import math
 from dataclasses import dataclass, field
@@ -93,7 +96,7 @@ class Copy:
 
 @dataclass(frozen=True)
 class Bucket:
-    modules: Tuple[str, ...]
+    modules: Dict[int, Tuple[str, ...]]  # each receiving rank's modules, opened and finished here
     rounds: Tuple[Tuple[Copy, ...], ...]  # exchanged one after another: each round's buffers
                                            # on any rank fit in the bucket size (or hold one copy)
 
@@ -214,32 +217,87 @@ def _cut(region, held: Dict[int, List[Piece]], tensor: DestTensor, dst: int,
     return copies
 
 
-def _interleaved(modules: Dict[str, Dict[int, List[DestTensor]]],
-                 by_tensor: Dict[str, Dict[int, List[Piece]]]):
-    """The modules in weight-table order within each set of source ranks, those sets taken in
-    turn: with PP, layer 0 (stage 0's ranks send) then the first layer of stage 1, and so on,
-    so every stage sends in every bucket instead of one stage sending while the others idle
-    (on a cluster its ranks' links would carry twice their share, one stage at a time)."""
-    groups: Dict[frozenset, List[Tuple[str, Dict[int, List[DestTensor]]]]] = {}
-    for module, per_rank in modules.items():
-        canonicals = {r.canonical for tensors in per_rank.values() for t in tensors for r in t.regions}
-        holders = frozenset(p.rank for c in canonicals for replicas in by_tensor[c].values()
-                            for p in replicas)
-        groups.setdefault(holders, []).append((module, per_rank))
-    queues = list(groups.values())
-    for i in range(max(map(len, queues), default=0)):
-        for queue in queues:
-            if i < len(queue):
-                yield queue[i]
+def _stage_queues(layout: Tuple[Tuple[int, Tuple[DestTensor, ...]], ...],
+                  by_tensor: Dict[str, Dict[int, List[Piece]]]) -> List[List[str]]:
+    """The destination modules in weight-table order, grouped by the set of training ranks that
+    hold them (with PP: one queue per pipeline stage)."""
+    canonicals: Dict[str, set] = {}  # module -> the full tensors it is made of, on any rank
+    for _, tensors in layout:
+        for t in tensors:
+            canonicals.setdefault(t.module, set()).update(r.canonical for r in t.regions)
+    groups: Dict[frozenset, List[str]] = {}
+    for module, names in canonicals.items():
+        holders = frozenset(p.rank for c in names for replicas in by_tensor[c].values() for p in replicas)
+        groups.setdefault(holders, []).append(module)
+    return list(groups.values())
+
+
+def _engine_buckets(queues: List[List[str]], size: Dict[str, int], engine: int, engines: int,
+                    bucket_bytes: int) -> List[List[str]]:
+    """One engine's buckets of modules. The stage queues are taken in turn, a chunk of whole
+    modules from each (at least one, else up to a bucket's share of the engine's largest rank),
+    starting at a stage that depends on the engine, spread evenly over the stages; a bucket is
+    one chunk when there are at least as many engines as stages, else ceil(stages / engines)
+    chunks. An exhausted stage leaves its chunk empty instead of letting the later ones move up.
+    So in bucket b the engines read different stages: every stage sends in every bucket, each to
+    its share of the engines. With one order for all engines, a bucket's one or two stages sent
+    to every engine while the others idled (DeepSeek-V3 at PP16 into 16 engines was planned at
+    6.9 s instead of 0.97 s: docs/PERFORMANCE.md)."""
+    per = -(-len(queues) // engines)  # stages a bucket spans
+    start = engine * len(queues) // engines
+    turned = [collections.deque(q) for q in queues[start:] + queues[:start]]
+    chunks: List[List[str]] = []
+    while any(turned):
+        for queue in turned:
+            chunk, taken = [], 0
+            while queue and (not chunk or taken + size[queue[0]] <= bucket_bytes / per):
+                taken += size[queue[0]]
+                chunk.append(queue.popleft())
+            chunks.append(chunk)
+    buckets: List[List[str]] = []
+    for i in range(0, len(chunks), per):  # `per` chunks, unless modules larger than their share
+        buckets.append([])                # make them exceed the bucket: then one bucket each
+        total = 0
+        for chunk in chunks[i:i + per]:
+            nbytes = sum(size[m] for m in chunk)
+            if buckets[-1] and total + nbytes > bucket_bytes:
+                buckets.append([])
+                total = 0
+            buckets[-1] += chunk
+            total += nbytes
+    return buckets
+
+
+def _itemsize(tensor: DestTensor, by_tensor: Dict[str, Dict[int, List[Piece]]]) -> int:
+    """Bytes per element of a destination tensor: its sources' (the engine takes the model's)."""
+    return _BYTES[next(iter(by_tensor[tensor.regions[0].canonical].values()))[0].dtype]
+
+
+def _engine_of(engines: Optional[Tuple[Tuple[int, ...], ...]], receiving: List[int]) -> Dict[int, int]:
+    engines = engines or (tuple(receiving),)
+    engine_of: Dict[int, int] = {}
+    for e, ranks in enumerate(engines):
+        for rank in ranks:
+            if rank in engine_of:
+                raise ValueError(f"rank {rank} is in engines {engine_of[rank]} and {e}")
+            engine_of[rank] = e
+    outside = [rank for rank in receiving if rank not in engine_of]
+    if outside:
+        raise ValueError(f"receiving ranks {outside[:5]} are in none of the {len(engines)} engines")
+    return engine_of
 
 
 @functools.lru_cache(maxsize=16)
 def build_plan(pieces: Tuple[Piece, ...], layout: Tuple[Tuple[int, Tuple[DestTensor, ...]], ...],
-               bucket_bytes: int, node_of: Optional[Tuple[int, ...]] = None) -> Plan:
+               bucket_bytes: int, node_of: Optional[Tuple[int, ...]] = None,
+               engines: Optional[Tuple[Tuple[int, ...], ...]] = None) -> Plan:
     """`layout`: (rank, its destination tensors) for every receiving rank; `node_of[rank]`: the
-    node of each rank (default: one node). A bucket closes before the module that would make a
-    rank's opened engine tensors exceed `bucket_bytes`; a larger module gets its own. Its
-    buffers are bounded apart, per round (_rounds)."""
+    node of each rank (default: one node); `engines`: every independent engine's ranks (default:
+    all receiving ranks one engine; an engine may have no rank in `layout`: the cluster planner
+    plans some engines only, each still in its own place). Each engine has buckets of its own
+    (_engine_buckets: at most `bucket_bytes` of opened engine tensors on any of its ranks, or one
+    larger module); the plan's bucket b holds every engine's b-th, exchanged together, its
+    buffers bounded apart, per round (_rounds)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     by_tensor: Dict[str, Dict[int, List[Piece]]] = {}
@@ -258,30 +316,39 @@ def build_plan(pieces: Tuple[Piece, ...], layout: Tuple[Tuple[int, Tuple[DestTen
     if missing or unexpected:
         raise ValueError(f"source model and destination disagree: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+    engine_of = _engine_of(engines, [rank for rank, _ in layout])
+    count = len(engines) if engines else 1
 
-    modules: Dict[str, Dict[int, List[DestTensor]]] = {}  # module -> rank -> its tensors
+    queues = _stage_queues(layout, by_tensor)
+    per_engine: Dict[int, Dict[str, Dict[int, List[DestTensor]]]] = {}  # engine -> module -> rank
+    ranks_of: Dict[int, List[int]] = {}
     for rank, tensors in layout:
+        ranks_of.setdefault(engine_of[rank], []).append(rank)
         for tensor in tensors:
-            modules.setdefault(tensor.module, {}).setdefault(rank, []).append(tensor)
+            per_engine.setdefault(engine_of[rank], {}).setdefault(tensor.module, {}).setdefault(
+                rank, []).append(tensor)
+    planned: Dict[int, List[List[str]]] = {}
+    for e, mine in per_engine.items():
+        size = {module: max(sum(t.numel * _itemsize(t, by_tensor) for t in tensors)
+                            for tensors in per_rank.values()) for module, per_rank in mine.items()}
+        planned[e] = _engine_buckets([[m for m in q if m in mine] for q in queues], size, e, count,
+                                     bucket_bytes)
     load: Dict[int, int] = {}
-    buckets, names, copies, cost = [], [], [], {}
-    for module, per_rank in _interleaved(modules, by_tensor):
-        mine, mine_cost = [], {}
-        for rank, tensors in per_rank.items():
-            for tensor in tensors:
-                itemsize = None
-                for region in tensor.regions:
-                    cut = _cut(region, by_tensor[region.canonical], tensor, rank, node_of, load)
-                    mine += cut
-                    itemsize = itemsize or (cut[0].nbytes // cut[0].numel if cut else None)
-                mine_cost[rank] = mine_cost.get(rank, 0) + tensor.numel * (itemsize or 0)
-        if names and any(cost.get(r, 0) + b > bucket_bytes for r, b in mine_cost.items()):
-            buckets.append(Bucket(tuple(names), _rounds(copies, bucket_bytes)))
-            names, copies, cost = [], [], {}
-        names.append(module)
-        copies += mine
-        for r, b in mine_cost.items():
-            cost[r] = cost.get(r, 0) + b
-    if names:
-        buckets.append(Bucket(tuple(names), _rounds(copies, bucket_bytes)))
+    buckets = []
+    for b in range(max(map(len, planned.values()), default=0)):  # engines in step: `load` stays even
+        opened: Dict[int, Tuple[str, ...]] = {}
+        copies: List[Copy] = []
+        for e, names in ((e, mine[b]) for e, mine in planned.items() if b < len(mine) and mine[b]):
+            opened.update((rank, tuple(names)) for rank in ranks_of[e])
+            for module in names:
+                copies += _module_copies(per_engine[e][module], by_tensor, node_of, load)
+        if copies or opened:
+            buckets.append(Bucket(opened, _rounds(copies, bucket_bytes)))
     return Plan(tuple(buckets), dict(layout))
+
+
+def _module_copies(per_rank: Dict[int, List[DestTensor]], by_tensor: Dict[str, Dict[int, List[Piece]]],
+                   node_of: Tuple[int, ...], load: Dict[int, int]) -> List[Copy]:
+    """One module's copies on its ranks."""
+    return [copy for rank, tensors in per_rank.items() for tensor in tensors for region in tensor.regions
+            for copy in _cut(region, by_tensor[region.canonical], tensor, rank, node_of, load)]

@@ -44,12 +44,15 @@ class SyncReport:
 
 
 def layout_tensors(arch: ModelArch, layout: WeightLayout, role: str = "policy"):
-    """Every receiving rank's destination tensors for a destination's declared layout."""
+    """Every receiving rank's destination tensors for a destination's declared layout, keyed by
+    its rank in the sync (from `layout.first_rank`), and the independent engines' ranks."""
+    first = layout.first_rank
     if layout.format == "vllm":
-        return destination.vllm_layout(arch, destination.RolloutLayout(layout.tp, layout.ep),
-                                       layout.world, role)
+        rollout = destination.RolloutLayout(layout.tp, layout.ep)
+        tensors = destination.vllm_layout(arch, rollout, layout.world, role)
+        return {first + r: t for r, t in tensors.items()}, rollout.engines(layout.world, first)
     if layout.format == "hf":
-        return {0: destination.hf_tensors(arch, role)}
+        return {first: destination.hf_tensors(arch, role)}, ((first,),)
     raise ValueError(f"unknown weight layout format {layout.format!r}: expected 'vllm' or 'hf'")
 
 
@@ -72,9 +75,9 @@ def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightD
     mine, local = metadata.local_pieces(chunks, arch, rank)
     pieces = metadata.all_pieces(mine, links)
     weight_layout = engine.weight_layout()
-    layout = {weight_layout.first_rank + r: tensors
-              for r, tensors in layout_tensors(arch, weight_layout).items()}
-    plan = build_plan(pieces, tuple(sorted(layout.items())), bucket_bytes, node_of_ranks(links.size))
+    layout, engines = layout_tensors(arch, weight_layout)
+    plan = build_plan(pieces, tuple(sorted(layout.items())), bucket_bytes, node_of_ranks(links.size),
+                      engines)
     with device_memory.measured() as measured:  # the engine's finishing work (repacking) too
         peak, messages = _stream(plan, engine, local, links)
         report = check_update(engine.finish_weight_update())
@@ -99,7 +102,8 @@ def _stream(plan: Plan, engine: WeightDestination, local: Dict[Tuple[str, int], 
     engine.begin_weight_update({name: t.shape for name, t in mine.items()})
     peak = messages = 0
     for bucket, rounds in zip(plan.buckets, plan.rank_work(rank)):
-        names = [name for name, t in mine.items() if t.module in set(bucket.modules)]
+        modules = set(bucket.modules.get(rank, ()))
+        names = [name for name, t in mine.items() if t.module in modules]
         targets = engine.open_tensors(names)
         for name in names:
             if mine[name].covered < mine[name].numel:  # padding rows nothing writes
