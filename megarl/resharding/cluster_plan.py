@@ -298,7 +298,7 @@ def plan_stats(plan: Plan, node_of: Tuple[int, ...], itemsize: int, links: Links
     return stats, timing
 
 
-def _signature(dims: ParallelDims, engine: range, gpus_per_node: int) -> Tuple:
+def _signature(dims: ParallelDims, engine: Tuple[int, ...], gpus_per_node: int) -> Tuple:
     """What decides an engine's receiving side: for each of its ranks, the training coordinates
     that fix which pieces it holds (pp, tp, ep, etp), and those of every rank on its node."""
     def held(rank: int) -> Tuple[int, int, int, int]:
@@ -314,8 +314,7 @@ def _signature(dims: ParallelDims, engine: range, gpus_per_node: int) -> Tuple:
 def planned_engines(dims: ParallelDims, rollout: RolloutLayout, gpus_per_node: int) -> List[int]:
     """One engine of each distinct signature, the lowest-numbered."""
     seen, chosen = set(), []
-    for engine in range(dims.world_size // rollout.size):
-        ranks = range(engine * rollout.size, (engine + 1) * rollout.size)
+    for engine, ranks in enumerate(rollout.engines(dims.world_size)):
         key = _signature(dims, ranks, gpus_per_node)
         if key not in seen:
             seen.add(key)
@@ -427,7 +426,8 @@ def plan_cluster(arch: ModelArch, dims: ParallelDims, rollout: RolloutLayout, gp
     start = time.perf_counter()
     pieces = layout_pieces(arch, dims)
     layout = vllm_layout(arch, rollout, world)
-    count = world // rollout.size
+    every_engine = rollout.engines(world)
+    count = len(every_engine)
     if engines is None:
         regions = sum(len(t.regions) for rank in range(world) for t in layout[rank])
         engines = list(range(count)) if regions <= max_regions else planned_engines(
@@ -436,10 +436,10 @@ def plan_cluster(arch: ModelArch, dims: ParallelDims, rollout: RolloutLayout, gp
     if bad or not engines:
         raise ValueError(f"engines {bad or engines} outside the {count} engines")
     wanted = set(engines)
-    subset = tuple((rank, tensors) for rank, tensors in sorted(layout.items())
-                   if rank // rollout.size in wanted)
+    receiving = {rank for e in wanted for rank in every_engine[e]}
+    subset = tuple((rank, tensors) for rank, tensors in sorted(layout.items()) if rank in receiving)
     node_of = tuple(rank // gpus_per_node for rank in range(world))
-    plan = build_plan(pieces, subset, bucket_bytes, node_of, rollout.engines(world))
+    plan = build_plan(pieces, subset, bucket_bytes, node_of, every_engine)
     planned = time.perf_counter()
     itemsize = DTYPES[arch.dtype].itemsize
     ranks, timing = plan_stats(plan, node_of, itemsize, links)

@@ -273,8 +273,7 @@ def _itemsize(tensor: DestTensor, by_tensor: Dict[str, Dict[int, List[Piece]]]) 
     return _BYTES[next(iter(by_tensor[tensor.regions[0].canonical].values()))[0].dtype]
 
 
-def _engine_of(engines: Optional[Tuple[Tuple[int, ...], ...]], receiving: List[int]) -> Dict[int, int]:
-    engines = engines or (tuple(receiving),)
+def _engine_of(engines: Tuple[Tuple[int, ...], ...], receiving: List[int]) -> Dict[int, int]:
     engine_of: Dict[int, int] = {}
     for e, ranks in enumerate(engines):
         for rank in ranks:
@@ -316,8 +315,8 @@ def build_plan(pieces: Tuple[Piece, ...], layout: Tuple[Tuple[int, Tuple[DestTen
     if missing or unexpected:
         raise ValueError(f"source model and destination disagree: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+    engines = engines or (tuple(rank for rank, _ in layout),)
     engine_of = _engine_of(engines, [rank for rank, _ in layout])
-    count = len(engines) if engines else 1
 
     queues = _stage_queues(layout, by_tensor)
     per_engine: Dict[int, Dict[str, Dict[int, List[DestTensor]]]] = {}  # engine -> module -> rank
@@ -331,7 +330,7 @@ def build_plan(pieces: Tuple[Piece, ...], layout: Tuple[Tuple[int, Tuple[DestTen
     for e, mine in per_engine.items():
         size = {module: max(sum(t.numel * _itemsize(t, by_tensor) for t in tensors)
                             for tensors in per_rank.values()) for module, per_rank in mine.items()}
-        planned[e] = _engine_buckets([[m for m in q if m in mine] for q in queues], size, e, count,
+        planned[e] = _engine_buckets([[m for m in q if m in mine] for q in queues], size, e, len(engines),
                                      bucket_bytes)
     load: Dict[int, int] = {}
     buckets = []
