@@ -142,7 +142,8 @@ class Progress:
 
 class StreamingEngine(RolloutEngine, Protocol):
     """An engine driven one scheduler step at a time: what asynchronous rollout needs to interrupt
-    requests at a weight update (megarl/rollout/async_generation.py)."""
+    requests at a weight update (megarl/rollout/streaming.py drives it; megarl/rollout/agent_loop.py
+    drives it turn by turn)."""
 
     def submit(self, request_id: str, prompt_ids: List[int], sampling: SamplingConfig) -> None:
         """Queue one sample (sampling.n must be 1)."""

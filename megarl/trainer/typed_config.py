@@ -6,17 +6,40 @@ field's type (int, float, bool, str, Optional, Tuple, Dict, nested dataclass) wi
 in the message, and each dataclass's own __post_init__ validation runs as it is built: all before
 any process group or engine exists. A key that is a Python keyword (`async`) is the field of that
 name with a trailing underscore (`async_`).
+Booleans are YAML 1.2's (true/false only): YAML 1.1 also reads on/off/yes/no as booleans, which
+turned `actor.router_replay=off` into False. Those words stay strings, and a bool field accepts
+them as a person means them.
 Does not own what the fields mean (each dataclass does).
 """
 
 import dataclasses
 import keyword
+import re
 import typing
 from typing import Any, Dict, List, Type, TypeVar
 
 import yaml
 
 T = TypeVar("T")
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader whose only booleans are true/false (any case), as in YAML 1.2."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def parse_yaml(text) -> Any:
+    """YAML text or stream -> Python values, with YAML 1.2 booleans (see the module docstring)."""
+    return yaml.load(text, Loader=_Loader)
 
 
 def _set_dotted(tree: Dict[str, Any], dotted: str) -> None:
@@ -29,7 +52,7 @@ def _set_dotted(tree: Dict[str, Any], dotted: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ValueError(f"override {dotted!r}: {part!r} is a value, not a section")
-    node[leaf] = yaml.safe_load(raw)
+    node[leaf] = parse_yaml(raw)
 
 
 def _coerce(value: Any, kind: Any, path: str) -> Any:
@@ -62,9 +85,8 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
             raise ValueError(f"{path} must be a number, got {value!r}") from None
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if kind is str and isinstance(value, bool):
-        raise ValueError(f"{path} must be a string, got {value!r}: YAML reads off/on/no/yes as "
-                         f"booleans, so quote the word (\"off\")")
+    if kind is bool and isinstance(value, str) and value.lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[value.lower()]
     if kind in (int, str, bool) and type(value) is not kind:
         raise ValueError(f"{path} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
     return value
@@ -95,7 +117,7 @@ def load(cls: Type[T], yaml_path: str = None, overrides: List[str] = ()) -> T:
     tree: Dict[str, Any] = {}
     if yaml_path:
         with open(yaml_path) as f:
-            tree = yaml.safe_load(f) or {}
+            tree = parse_yaml(f) or {}
     for dotted in overrides:
         _set_dotted(tree, dotted)
     return build(cls, tree)
