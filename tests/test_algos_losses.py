@@ -180,6 +180,7 @@ def test_kl_estimators_match_formulas():
         "k1": lambda lp, rf: lp - rf,
         "k2": lambda lp, rf: 0.5 * (lp - rf) ** 2,
         "k3": lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1,
+        "low_var_kl": _verl_low_var_kl,
     }
     assert set(kl.KL_ESTIMATORS) == set(formulas)
     for name, formula in formulas.items():
@@ -190,6 +191,36 @@ def test_kl_estimators_match_formulas():
     # Near-identical policies: k3 ~ d^2 / 2 keeps its digits (exp(d) - d - 1 would cancel them away).
     tiny = kl.k3(torch.tensor([1e-9], dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
     assert abs(float(tiny) / 0.5e-18 - 1) < 1e-6
+
+
+def _verl_low_var_kl(lp: float, rf: float) -> float:
+    """verl's kl_penalty "low_var_kl" as its core_algos writes it: log-ratio clamped to [-20, 20],
+    then exp(d) - d - 1 clamped to [-10, 10]."""
+    d = min(20.0, max(-20.0, rf - lp))
+    return min(10.0, max(-10.0, math.exp(d) - d - 1))
+
+
+def test_verl_kl_recipe_is_exact_where_the_clamps_bite():
+    """verl clamps only its k3 (low_var_kl); its k1 ("kl", the reward penalty's default) and k2
+    ("mse") are not clamped. The recipe (README: k1 penalty with no kl_clamp, kl_estimator=low_var_kl
+    for the KL loss) equals verl's formulas on log-ratios from 1e-3 to 60 either way, where
+    kl_clamp=10 on k1 or k2 would not (|d| > 10 for k1, > 4.47 for k2)."""
+    gaps = [s * v for v in (1e-3, 0.5, 3.0, 4.6, 11.0, 19.0, 25.0, 60.0) for s in (1, -1)]
+    ref = torch.zeros(len(gaps), dtype=torch.float64)
+    logprobs = torch.tensor(gaps, dtype=torch.float64)  # d = ref - logprobs = -gap
+    verl = {"k1": [g for g in gaps], "k2": [0.5 * g * g for g in gaps],
+            "low_var_kl": [_verl_low_var_kl(g, 0.0) for g in gaps]}
+    for name, want in verl.items():
+        got = kl.kl(logprobs, ref, name, None)
+        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-14), name
+    # the generic clamp is not verl's for k1 / k2: it cuts the large gaps verl leaves alone
+    assert not torch.allclose(kl.kl(logprobs, ref, "k1", 10.0), torch.tensor(verl["k1"], dtype=torch.float64))
+    assert not torch.allclose(kl.kl(logprobs, ref, "k2", 10.0), torch.tensor(verl["k2"], dtype=torch.float64))
+    # low_var_kl's gradient flows where verl's does (inside both clamps) and is 0 where it is clamped
+    lp = logprobs.clone().requires_grad_(True)
+    kl.kl(lp, ref, "low_var_kl", None).sum().backward()
+    inside = [abs(_verl_low_var_kl(g, 0.0)) < 10 for g in gaps]
+    assert all((float(grad) != 0) == flag for grad, flag in zip(lp.grad, inside))
 
 
 def test_entropy_reference_matches_loop():
