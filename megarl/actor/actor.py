@@ -53,7 +53,7 @@ class Actor:
         """output [1, t/cp, V/tp] -> (log-probs, entropy) [n, W], column i for token i."""
         tp = megatron_groups.tensor().size
         group = megatron_groups.tensor().group if tp > 1 else None
-        logprobs, entropy = logprobs_and_entropy(output[0].float(), mb.targets[0].to(output.device),
+        logprobs, entropy = logprobs_and_entropy(output[0], mb.targets[0].to(output.device),
                                                  group, self.arch.vocab_size)
         both = full_pack(torch.stack([logprobs, entropy], -1), mb)  # [t, 2]
         return unpack_predictions(both, mb).unbind(-1)

@@ -1,7 +1,8 @@
 """Per-token KL estimators between the policy and the reference model.
 
-Owns the estimators k1, k2, k3 (Schulman's naming), verl's low_var_kl, and their registry. Does not own masking or
-reducing tokens (aggregation.py), nor whether KL is a reward penalty or a loss term (the caller).
+Owns the estimators k1, k2, k3 (Schulman's naming), verl's low_var_kl, and their registry. Does
+not own masking or reducing tokens (aggregation.py), nor whether KL is a reward penalty or a loss
+term (the caller).
 """
 
 from typing import Callable, Dict, Optional

@@ -1,6 +1,7 @@
 """torchrun worker: vocab-parallel log-probs and entropy at TP = world size over a gloo group,
-against torch.log_softmax on the full logits (fp64). Each rank compares its own shard's gradient;
-rank 0 prints one JSON object with the worst errors over all ranks."""
+against torch.log_softmax on the full logits (fp64), whole and in chunks of 1 and 5 tokens (a
+last chunk shorter than the rest). Each rank compares its own shard's gradient; rank 0 prints one
+JSON object with the worst errors over all ranks and chunk sizes."""
 
 import json
 
@@ -28,14 +29,18 @@ def main():
     ref_entropy = -(ref_logp.exp() * ref_logp).sum(-1)
     ((weights[0] * ref_lp).sum() + (weights[1] * ref_entropy).sum()).backward()
 
-    shard = full[:, rank * SHARD:(rank + 1) * SHARD].clone().requires_grad_()
-    lp, entropy = logprobs_and_entropy(shard, targets, group, vocab_size=VOCAB)
-    ((weights[0] * lp).sum() + (weights[1] * entropy).sum()).backward()
     ref_grad = ref_logits.grad[:, rank * SHARD:(rank + 1) * SHARD]
+    errors = []
+    for chunk_tokens in (N, 1, 5):
+        shard = full[:, rank * SHARD:(rank + 1) * SHARD].clone().requires_grad_()
+        lp, entropy = logprobs_and_entropy(shard, targets, group, vocab_size=VOCAB,
+                                           chunk_tokens=chunk_tokens)
+        ((weights[0] * lp).sum() + (weights[1] * entropy).sum()).backward()
+        errors.append(torch.stack([(lp - ref_lp).abs().max(), (entropy - ref_entropy).abs().max(),
+                                   (shard.grad - ref_grad).abs().max()]).detach())
 
     here = ((targets >= rank * SHARD) & (targets < (rank + 1) * SHARD)).sum().double()
-    stats = torch.stack([(lp - ref_lp).abs().max(), (entropy - ref_entropy).abs().max(),
-                         (shard.grad - ref_grad).abs().max(), -here]).detach()
+    stats = torch.cat([torch.stack(errors).amax(0), -here[None]])
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
     if rank == 0:
         print(json.dumps({"tp": tp, "logprob_err": stats[0].item(), "entropy_err": stats[1].item(),

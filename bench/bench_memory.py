@@ -1,0 +1,129 @@
+"""Memory of the log-prob + entropy path: megarl's chunked vocab-parallel log-softmax against the
+full-width one most trainers run, forward + backward, on [tokens, vocab] logits.
+
+  python bench/bench_memory.py [--quick] [--device cpu|cuda] [--tokens N] [--vocab V]
+
+Cases (one JSON object each on stdout; each case runs in a process of its own, so one case's
+freed memory cannot hide another's peak):
+  chunked   megarl.algos.vocab_parallel.logprobs_and_entropy on the model's logits as the output
+            layer returns them (--dtype, bf16 by default), what the actor passes it.
+  full      the same numbers the way they are usually computed: the logits upcast to fp32 whole,
+            log_softmax, gather, entropy = -sum(p log p), autograd through all of it (what megarl's
+            actor did before: 6.0x the fp32 logits on an H100). Run only where it fits
+            (--full-max-gb), since that is the point.
+`peak_over_fp32_logits`: the peak extra memory (GPU: the CUDA allocator's peak; CPU: the resident
+set's high-water mark, parallel_state/device_memory.py) over the bytes of the fp32 logits.
+Target: chunked <= 1.0x at 16,384 tokens x 151,936 (Qwen3's vocabulary). The last line compares
+the two cases' log-probs, entropies and gradients where both ran.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+TARGET = 1.0
+
+
+def _logits(args, device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    logits = (torch.randn(args.tokens, args.vocab, generator=g) * 3).to(getattr(torch, args.dtype))
+    targets = torch.randint(0, args.vocab, (args.tokens,), generator=g)
+    weights = torch.randn(2, args.tokens, generator=g)
+    return logits.to(device), targets.to(device), weights.to(device)
+
+
+def _full_width(logits, targets):
+    logp = torch.log_softmax(logits.float(), -1)  # [N, V] fp32, kept for the backward
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def run_case(args) -> dict:
+    from megarl.algos.vocab_parallel import logprobs_and_entropy
+    from megarl.parallel_state import device_memory
+
+    device = torch.device(args.device)
+    logits, targets, weights = _logits(args, device)
+    logits.requires_grad_()
+    fn = _full_width if args.case == "full" else \
+        (lambda x, t: logprobs_and_entropy(x, t, None, chunk_tokens=args.chunk_tokens))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    with device_memory.measured() as memory:
+        logprob, entropy = fn(logits, targets)
+        ((weights[0] * logprob).sum() + (weights[1] * entropy).sum()).backward()
+        sync()
+    seconds = time.perf_counter() - start
+    fp32_bytes = args.tokens * args.vocab * 4
+    # the gradient is the caller's (it flows on into the output layer): counted in the peak
+    out = {"case": args.case, "device": args.device, "tokens": args.tokens, "vocab": args.vocab,
+           "dtype": args.dtype, "chunk_tokens": args.chunk_tokens if args.case == "chunked" else None,
+           "seconds": round(seconds, 3), "peak_extra_gb": memory.extra_bytes / 1e9,
+           "fp32_logits_gb": fp32_bytes / 1e9, "peak_over_fp32_logits": memory.extra_bytes / fp32_bytes}
+    if args.save:
+        torch.save({"logprob": logprob.detach().cpu(), "entropy": entropy.detach().cpu(),
+                    "grad": logits.grad.cpu()}, args.save)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="16,384 tokens x 16,384 (seconds on a CPU)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="default: the library's")
+    parser.add_argument("--full-max-gb", type=float, default=None,
+                        help="run the full-width case only while 7x the fp32 logits fit "
+                             "(default: 16 on CPU, the GPU's memory on CUDA)")
+    parser.add_argument("--case", choices=["chunked", "full"], help=argparse.SUPPRESS)
+    parser.add_argument("--save", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.vocab = 16384, 16384
+    if args.chunk_tokens is None:
+        from megarl.algos.vocab_parallel import DEFAULT_CHUNK_TOKENS
+        args.chunk_tokens = DEFAULT_CHUNK_TOKENS
+    if args.case:  # a child: one case
+        print(json.dumps(run_case(args)), flush=True)
+        return
+    torch.set_num_threads(min(torch.get_num_threads(), 2)) if args.device == "cpu" else None
+    limit = args.full_max_gb
+    if limit is None:
+        limit = torch.cuda.get_device_properties(0).total_memory / 1e9 if args.device == "cuda" else 16
+    fp32_gb = args.tokens * args.vocab * 4 / 1e9
+    saved = {}
+    for case in ("chunked", "full"):
+        if case == "full" and 7 * fp32_gb > limit:
+            print(json.dumps({"case": "full", "skipped": f"7 x {fp32_gb:.1f} GB fp32 logits > "
+                              f"--full-max-gb {limit:.0f}"}), flush=True)
+            continue
+        saved[case] = f"/tmp/bench_memory_{os.getpid()}_{case}.pt"
+        cmd = [sys.executable, __file__, "--case", case, "--save", saved[case], "--device", args.device,
+               "--tokens", str(args.tokens), "--vocab", str(args.vocab), "--dtype", args.dtype,
+               "--chunk-tokens", str(args.chunk_tokens)]
+        line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        result = json.loads(line)
+        if case == "chunked":
+            result["target"] = f"<= {TARGET}x the fp32 logits"
+            result["meets_target"] = result["peak_over_fp32_logits"] <= TARGET
+        print(json.dumps(result), flush=True)
+    if len(saved) == 2:
+        a, b = (torch.load(saved[c], mmap=True) for c in ("chunked", "full"))
+        blocks = {key: zip(a[key].split(1024), b[key].split(1024)) for key in a}  # bounded memory
+        print(json.dumps({"case": "chunked_vs_full", **{
+            f"max_abs_diff_{key}": max(float((x.double() - y.double()).abs().max()) for x, y in pairs)
+            for key, pairs in blocks.items()}}))
+    for path in saved.values():
+        os.remove(path)
+
+
+if __name__ == "__main__":
+    main()
