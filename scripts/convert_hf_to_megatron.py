@@ -3,8 +3,9 @@
   python scripts/convert_hf_to_megatron.py --hf-dir IN --out OUT
   torchrun --nproc-per-node N scripts/convert_hf_to_megatron.py --hf-dir IN --out OUT
 
-With N ranks each rank holds only its pipeline stage's layers. The result loads at any
-TP/PP/EP/ETP/CP layout. Prints one JSON line.
+With N ranks (at most the model's layer count) each rank holds only its pipeline stage's layers.
+The result loads at any TP/PP/EP/ETP/CP layout. Prints one JSON line; its `notes` name what was
+carried as absent (MTP layers config.json declares without their weights).
 """
 
 import argparse

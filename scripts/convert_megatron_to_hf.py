@@ -4,7 +4,8 @@
   torchrun --nproc-per-node N scripts/convert_megatron_to_hf.py --megatron-dir IN --out OUT
 
 Writes sharded safetensors + index, config.json and the tokenizer files saved at conversion time;
-transformers and vLLM load the result. Prints one JSON line.
+transformers and vLLM load the result. Prints one JSON line; its `notes` name what was carried as
+absent (MTP layers config.json declares without their weights).
 """
 
 import argparse

@@ -36,7 +36,7 @@ TIERS = {
     "test_collective_timeout": DISTRIBUTED,
     "test_config_keys": UNIT,
     "test_conversion": DISTRIBUTED,
-    "test_conversion_fuzz": DISTRIBUTED,
+    "test_conversion_fuzz": (DISTRIBUTED, {"test_ci_seeds_cover_mtp_states_and_uneven_stages": UNIT}),
     "test_cpu_compat": UNIT,
     "test_device_choice": UNIT,
     "test_device_memory": UNIT,

@@ -1,11 +1,13 @@
 """HF -> Megatron -> HF round trips over random small configs (family, heads, GQA ratio, head
 size, vocabulary size, layers, experts and top-k, tied or untied embeddings, and the
-DeepSeek-style families' routing groups, dense layers, shared experts, MTP, MLA and RoPE), one
-and two ranks:
-bit-exact every time. The draw is seeded, so a failure names a case that reproduces;
-MEGARL_FUZZ_CASES=N widens the sweep beyond the CI default. The converter scripts' own functions
-convert every case, one launch per direction and world size (tests/workers/convert_models.py:
-a launch costs more here than a tiny conversion; tests/test_conversion.py runs the scripts)."""
+DeepSeek-style families' routing groups, dense layers, shared experts, MTP layers stored, absent
+or none, MLA and RoPE), one and two ranks (uneven pipeline stages for odd layer counts): the
+converter's export and the run's live HF export are bit-exact with the source every time, with
+its config.json, and say so when MTP weights were absent. The draw is seeded, so a failure names
+a case that reproduces; MEGARL_FUZZ_CASES=N runs seeds 0..N-1 instead, a wider sweep. The converter
+scripts' own functions convert every case, one launch per direction and world size
+(tests/workers/convert_models.py: a launch costs more here than a tiny conversion;
+tests/test_conversion.py runs the scripts)."""
 
 import json
 import os
@@ -16,7 +18,17 @@ import pytest
 from tests.launch import load_script, run
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]
-CASES = int(os.environ.get("MEGARL_FUZZ_CASES", "7"))
+# The CI default: a case per family (seed % 7 picks it), 12 in place of 5 for GLM-4.5: 3 layers
+# converted at world 2 (uneven pipeline stages), its MTP layer declared without weights; 6 stores
+# DeepSeek-V3's (test_ci_seeds_cover_mtp_states_and_uneven_stages keeps them covering).
+CI_SEEDS = [0, 1, 2, 3, 4, 12, 6]
+_FUZZ = os.environ.get("MEGARL_FUZZ_CASES")
+SEEDS = list(range(int(_FUZZ))) if _FUZZ else CI_SEEDS
+# make_tiny_checkpoint's MTP fields for each state a checkpoint's MTP layer can be in.
+# (mtp_weights explicit: the deepseek_v3 family's default leaves the weights out)
+MTP = {"none": dict(num_nextn_predict_layers=0),
+       "stored": dict(num_nextn_predict_layers=1, mtp_weights=True),
+       "absent": dict(num_nextn_predict_layers=1, mtp_weights=False)}
 
 
 def random_config(seed: int):
@@ -42,13 +54,14 @@ def random_config(seed: int):
         fields["num_experts_per_tok"] = rng.randint(2 if renormalized else 1, experts)
     if family in ("glm4_moe", "deepseek_v3"):
         fields.update(deepseek_style(rng, family, fields))
-    nproc = 2 if fields["num_hidden_layers"] % 2 == 0 and rng.random() < 0.5 else 1
+    nproc = 2 if fields["num_hidden_layers"] >= 2 and rng.random() < 0.5 else 1
     return family, fields, nproc
 
 
 def deepseek_style(rng: random.Random, family: str, fields: dict) -> dict:
-    """Routing groups (limited or not), dense first layers, shared experts, MTP layers; MLA with
-    or without low-rank q and YaRN, or GLM's partial RoPE, QK norm and attention bias."""
+    """Routing groups (limited or not), dense first layers, shared experts, an MTP layer stored,
+    declared without its weights (as transformers saves it) or none; MLA with or without low-rank
+    q and YaRN, or GLM's partial RoPE, QK norm and attention bias."""
     experts = rng.choice([4, 8, 16])
     groups = rng.choice([g for g in (1, 2, 4) if experts // g >= 2])
     group_topk = rng.randint(1, groups)
@@ -58,7 +71,7 @@ def deepseek_style(rng: random.Random, family: str, fields: dict) -> dict:
                num_experts_per_tok=topk, n_shared_experts=rng.randint(1, 2),
                moe_intermediate_size=8 * rng.randint(2, 16), routed_scaling_factor=rng.choice([1.0, 2.5]),
                first_k_dense_replace=rng.randint(0, fields["num_hidden_layers"] - 1),
-               num_nextn_predict_layers=rng.randint(0, 1))
+               **MTP[rng.choice(sorted(MTP))])
     if family == "glm4_moe":
         out.update(partial_rotary_factor=rng.choice([0.5, 1.0]), use_qk_norm=rng.random() < 0.5,
                    attention_bias=rng.random() < 0.5)
@@ -75,33 +88,63 @@ def deepseek_style(rng: random.Random, family: str, fields: dict) -> dict:
     return out
 
 
+def mtp_state(fields: dict) -> str:
+    if not fields.get("num_nextn_predict_layers"):
+        return "none"
+    return "stored" if fields.get("mtp_weights", True) else "absent"
+
+
+def test_ci_seeds_cover_mtp_states_and_uneven_stages():
+    """The CI default's cases store an MTP layer, declare one without weights, and convert an odd
+    layer count at world 2 (uneven pipeline stages); a change to the draw that loses one fails."""
+    drawn = [random_config(seed) for seed in CI_SEEDS]
+    assert {mtp_state(fields) for _, fields, _ in drawn} >= {"stored", "absent"}
+    assert any(fields["num_hidden_layers"] % 2 for _, fields, _ in drawn
+               if fields["num_hidden_layers"] >= 2)
+
+
 @pytest.fixture(scope="module")
 def round_trips(tmp_path_factory):
-    """{seed: (family, fields, HF dir, HF dir after Megatron and back)}; converted to Megatron at
-    the case's world size, back at the other one where the layers split evenly."""
+    """{seed: (family, fields, HF dir, {export: (its HF dir, its notes)})}, the exports being the
+    converter's Megatron -> HF ("converted") and the run's live HF export ("live"), and the notes
+    of HF -> Megatron ("imported"). Converted to Megatron at the case's world size, back at the
+    other one where there are layers for two stages."""
     from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("fuzz")
     cases, there, back = {}, {1: [], 2: []}, {1: [], 2: []}
-    for seed in range(CASES):
+    for seed in SEEDS:
         family, fields, nproc = random_config(seed)
         hf = make_tiny_checkpoint(family, str(root / f"{seed}_hf"), seed=seed, **fields)
-        megatron, again = str(root / f"{seed}_megatron"), str(root / f"{seed}_back")
+        megatron = str(root / f"{seed}_megatron")
+        exports = {name: str(root / f"{seed}_{name}") for name in ("converted", "live")}
         there[nproc].append(["hf_to_megatron", hf, megatron])
-        back[3 - nproc if fields["num_hidden_layers"] % 2 == 0 else 1].append(
-            ["megatron_to_hf", megatron, again])
-        cases[seed] = (family, fields, hf, again)
+        world_back = 3 - nproc if fields["num_hidden_layers"] >= 2 else 1
+        back[world_back] += [["megatron_to_hf", megatron, exports["converted"]],
+                             ["export_hf", megatron, hf, exports["live"]]]
+        cases[seed] = (family, fields, hf, {"imported": megatron, **exports})
+    notes = {}
     for jobs in (there, back):
         for nproc, work in jobs.items():
             if work:
-                run("tests/workers/convert_models.py", "--jobs", json.dumps(work), nproc=nproc,
-                    timeout=900)
-    return cases
+                proc = run("tests/workers/convert_models.py", "--jobs", json.dumps(work), nproc=nproc,
+                           timeout=900)
+                done = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"done"')]
+                notes.update({d["done"]: d["notes"] for d in done})
+    return {seed: (family, fields, hf, {name: (out, notes[out]) for name, out in outs.items()})
+            for seed, (family, fields, hf, outs) in cases.items()}
 
 
-@pytest.mark.parametrize("seed", range(CASES))
+@pytest.mark.parametrize("seed", SEEDS)
 def test_random_config_round_trip_is_bit_exact(seed, round_trips):
-    family, fields, hf, back = round_trips[seed]
-    # scripts/compare_hf_checkpoints.py's comparison, in this process (its launch: a fifth of a case)
-    result = load_script("compare_hf_checkpoints").compare(hf, back)
-    assert result["bit_exact"], (family, fields, result)
+    family, fields, hf, outs = round_trips[seed]
+    for name in ("converted", "live"):
+        back = outs[name][0]
+        # scripts/compare_hf_checkpoints.py's comparison, in this process (its launch: a fifth of a case)
+        result = load_script("compare_hf_checkpoints").compare(hf, back)
+        assert result["bit_exact"], (name, family, fields, result)
+        with open(os.path.join(hf, "config.json")) as a, open(os.path.join(back, "config.json")) as b:
+            assert json.load(a) == json.load(b), (name, family, fields)
+    for name, (_, notes) in outs.items():
+        said = any("MTP weights absent" in note and "num_nextn_predict_layers=1" in note for note in notes)
+        assert said == (mtp_state(fields) == "absent"), (name, family, fields, notes)

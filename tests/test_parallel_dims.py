@@ -1,5 +1,8 @@
 """ParallelDims rejects impossible layouts with the numbers and the fix in the message."""
 
+import json
+import os
+
 import pytest
 
 from megarl.parallel_state.dims import ParallelDims
@@ -41,9 +44,41 @@ def test_sequence_must_split_over_cp_and_tp():
     ParallelDims(world_size=4, cp=2, tp=2).check_sequence(32)
 
 
-def test_conversion_layout_uses_pipeline_stages_that_divide_layers():
-    assert ParallelDims.for_conversion(4, 6).pp == 2
-    assert ParallelDims.for_conversion(3, 4).pp == 1
+@pytest.mark.parametrize("world,layers,counts", [
+    (4, 8, [2, 2, 2, 2]), (2, 3, [1, 2]), (3, 4, [1, 2, 1]), (4, 6, [1, 2, 2, 1]), (4, 5, [1, 1, 1, 2]),
+    (1, 61, [61]), (2, 61, [30, 31]), (61, 61, [1] * 61), (60, 61, [1] * 59 + [2]),
+])
+def test_conversion_gives_every_rank_a_stage(world, layers, counts):
+    dims = ParallelDims.for_conversion(world, layers)
+    assert (dims.pp, dims.dp, dims.stage_layers(layers)) == (world, 1, counts)
+
+
+def test_conversion_refuses_more_ranks_than_layers():
+    with pytest.raises(ValueError, match=r"world size 8 exceeds num_layers\(4\); convert with at most 4 "
+                                         r"ranks \(torchrun --nproc-per-node 4\)"):
+        ParallelDims.for_conversion(8, 4)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 16])
+def test_deepseek_v3_converts_on_every_rank(world):
+    """The published DeepSeek-V3 config (61 layers) at conversion worlds 2-16: Megatron's own layer
+    assignment (what build_model builds on each stage, from the TransformerConfig it validates)
+    gives every stage layers, contiguous and covering all 61, none more than an even share."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megarl.models.hf_config import arch_from_hf_config
+    from megarl.models.megatron_config import transformer_config
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "configs", "deepseek-v3.json")) as f:
+        arch = arch_from_hf_config(json.load(f))
+    dims = ParallelDims.for_conversion(world, arch.num_layers)
+    config = transformer_config(arch, dims)
+    counts = [get_num_layers_to_build(config, pp_rank=stage) for stage in range(world)]
+    offsets = [get_transformer_layer_offset(config, pp_rank=stage) for stage in range(world)]
+    assert dims.pp == world and min(counts) >= 1 and sum(counts) == 61
+    assert offsets == [sum(counts[:stage]) for stage in range(world)]
+    assert max(counts) == -(-61 // world)
 
 
 @pytest.mark.parametrize("fields,layers,counts", [

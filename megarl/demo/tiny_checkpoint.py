@@ -16,7 +16,7 @@ BASE = dict(vocab_size=250, hidden_size=256, intermediate_size=256, num_hidden_l
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
             rms_norm_eps=1e-6, tie_word_embeddings=False)
 # DeepSeek-style routing exercised fully: 4 groups of 4 experts, 2 groups per token, a dense
-# first layer, shared experts, scaled weights, and one MTP layer stored (not trained).
+# first layer, shared experts, scaled weights, and one MTP layer declared (not trained).
 _DEEPSEEK_MOE = dict(n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
                      topk_group=2, first_k_dense_replace=1, moe_intermediate_size=64,
                      routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1)
@@ -47,18 +47,23 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                                           original_max_position_embeddings=64, beta_fast=32,
                                           beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
                         # Published checkpoints say so; vLLM loads the expert bias only then.
-                        topk_method="noaux_tc", scoring_func="sigmoid"),
+                        topk_method="noaux_tc", scoring_func="sigmoid",
+                        # As transformers' save_pretrained writes it, as users often start RL
+                        # from it: the MTP layer declared, its weights absent (GLM-4.5's stored).
+                        mtp_weights=False),
 }
 
 
 def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 0.08,
                          **overrides) -> str:
-    """Write config.json + model.safetensors of a random `family` model; return out_dir."""
+    """Write config.json + model.safetensors of a random `family` model; return out_dir. With
+    num_nextn_predict_layers set, mtp_weights=False leaves the MTP layer's weights out."""
     import transformers
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
     fields = {**BASE, **FAMILIES[family], **overrides}
+    mtp_weights = fields.pop("mtp_weights", True)
     config_cls = transformers.CONFIG_MAPPING[fields["model_type"]]
     kwargs = {k: v for k, v in fields.items() if k not in ("architectures", "model_type")}
     if family == "qwen3_moe":
@@ -79,7 +84,7 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
     model.save_pretrained(out_dir, safe_serialization=True)
     if published:
         _add_to_config(out_dir, published)
-    if fields.get("num_nextn_predict_layers"):
+    if fields.get("num_nextn_predict_layers") and mtp_weights:
         _add_mtp_layer(out_dir, fields["num_hidden_layers"], std)
     return out_dir
 

@@ -1,8 +1,10 @@
 """HF checkpoint <-> Megatron distributed checkpoint, run on any number of ranks.
 
-Owns the two conversions behind scripts/convert_*.py. Both use ParallelDims.for_conversion: the
-layers are split over pipeline stages, so each rank reads, holds and writes only its own layers
-(one HF tensor in flight at a time), and the written checkpoint loads at any layout.
+Owns the two conversions behind scripts/convert_*.py. Both use ParallelDims.for_conversion: each
+rank is a pipeline stage (fewer layers on the first and last when the count does not split
+evenly), so each rank reads, holds and writes only its own layers (one HF tensor in flight at a
+time), and the written checkpoint loads at any layout. Each returns its `notes`: what it carried
+as absent (MTP weights a config declares and the checkpoint lacks: mtp_weights.py).
 """
 
 import json
@@ -55,14 +57,23 @@ def hf_to_megatron(hf_dir: str, out_dir: str) -> dict:
     world = dims.world_size
     _, reads = load_hf_weights(chunks, arch, hf_dir)
     checkpoint.save(chunks, partial, hf_config, hf_dir=hf_dir)
+    notes = []
     if dist.get_rank() == 0:
-        mtp_weights.keep_in_assets(arch, hf_dir, os.path.join(partial, checkpoint.ASSETS_DIR))
+        kept = mtp_weights.keep_in_assets(arch, hf_dir, os.path.join(partial, checkpoint.ASSETS_DIR))
+        notes = mtp_weights.absent_notes(arch, kept, hf_dir)
     _finish(partial, out_dir)
     reads_per_rank = [None] * world
     dist.all_gather_object(reads_per_rank, reads)
     return {"out": out_dir, "family": arch.family, "layout": dims.describe(),
             "hf_tensors_in_checkpoint": _count_tensors(hf_dir),
-            "hf_tensors_read_per_rank": reads_per_rank}
+            "hf_tensors_read_per_rank": reads_per_rank, "notes": _from_rank0(notes)}
+
+
+def _from_rank0(notes: list) -> list:
+    """Rank 0 wrote the MTP files and knows the notes; every rank returns the same result."""
+    box = [notes]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _count_tensors(hf_dir: str) -> int:
@@ -86,11 +97,13 @@ def megatron_to_hf(megatron_dir: str, out_dir: str) -> dict:
         names = sorted(tensors)
     all_names = [None] * world
     dist.all_gather_object(all_names, (filename, names))
+    notes = []
     if dist.get_rank() == 0:
         weight_map = {name: file for file, file_names in all_names for name in file_names}
         assets = os.path.join(megatron_dir, checkpoint.ASSETS_DIR)
-        weight_map.update(mtp_weights.restore(arch, assets if os.path.isdir(assets) else None,
-                                              partial))
+        mtp = mtp_weights.restore(arch, assets if os.path.isdir(assets) else None, partial)
+        notes = mtp_weights.absent_notes(arch, len(mtp), megatron_dir)
+        weight_map.update(mtp)
         total_size = sum(os.path.getsize(os.path.join(partial, f)) for f in set(weight_map.values()))
         with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f,
@@ -102,4 +115,4 @@ def megatron_to_hf(megatron_dir: str, out_dir: str) -> dict:
                 if name in checkpoint.TOKENIZER_FILES:
                     shutil.copy2(os.path.join(assets, name), partial)
     _finish(partial, out_dir)
-    return {"out": out_dir, "family": arch.family, "layout": dims.describe()}
+    return {"out": out_dir, "family": arch.family, "layout": dims.describe(), "notes": _from_rank0(notes)}

@@ -6,6 +6,11 @@ serves speculative decoding.
 Owns: which HF names are MTP weights, and copying them between checkpoint folders in bounded
 memory. A Megatron checkpoint keeps them under hf_assets/ as mtp-NNNNN.safetensors files with
 their own index, mtp.index.json.
+
+A config may declare MTP layers whose weights the checkpoint lacks: transformers' save_pretrained
+does not build them, so every DeepSeek-V3 / GLM-4.5 checkpoint it writes (and many fine-tuned
+ones) is like that. They are carried as absent: no index in hf_assets, none in the export, the
+config as it came (transformers and vLLM load it: they build no MTP layers), and a note saying so.
 """
 
 import json
@@ -21,6 +26,7 @@ INDEX = "mtp.index.json"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Tensors per file: bounded host memory for a 10+ GB MTP layer of a giant MoE.
 _FILE_BYTES = 1 << 30
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
 def mtp_names(arch: ModelArch, names: Iterable[str]) -> List[str]:
@@ -36,7 +42,9 @@ def source(folder: str, arch: ModelArch):
 
     if os.path.isfile(os.path.join(folder, INDEX)):
         return SafetensorsReader(folder, index=INDEX)
-    if not arch.mtp_layers:
+    # No MTP index and no HF weights (a Megatron checkpoint's hf_assets, an HF folder of config
+    # and tokenizer only): the MTP weights are absent, not unreadable.
+    if not arch.mtp_layers or not any(os.path.isfile(os.path.join(folder, name)) for name in _HF_WEIGHTS):
         return None
     reader = SafetensorsReader(folder)
     if not mtp_names(arch, reader.names()):
@@ -92,3 +100,16 @@ def restore(arch: ModelArch, folder: Optional[str], out_dir: str) -> Dict[str, s
         return copy(arch, reader, out_dir)
     finally:
         reader.close()
+
+
+def absent_notes(arch: ModelArch, kept: int, folder: Optional[str]) -> List[str]:
+    """A conversion's or export's notes on MTP: one when the config declares MTP layers and `kept`
+    (the MTP tensors carried over from `folder`) is 0, else none."""
+    if not arch.mtp_layers or kept:
+        return []
+    first, last = arch.num_layers, arch.num_layers + arch.mtp_layers - 1
+    layers = f"model.layers.{first}.*" if first == last else f"model.layers.{first}-{last}.*"
+    return [f"MTP weights absent: config.json declares num_nextn_predict_layers={arch.mtp_layers} but "
+            f"{folder!r} holds no {layers} tensors (checkpoints transformers' save_pretrained "
+            "writes lack them); carried as absent, config.json kept as it is (transformers and vLLM "
+            f"load it); for vLLM's MTP speculative decoding add {layers} from the published checkpoint"]

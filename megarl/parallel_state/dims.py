@@ -64,9 +64,15 @@ class ParallelDims:
 
     @classmethod
     def for_conversion(cls, world_size: int, num_layers: int) -> "ParallelDims":
-        """Layers split over as many pipeline stages as the world allows, nothing TP-sharded:
-        each rank holds whole tensors of 1/pp of the model, and can read/write them directly."""
-        return cls(world_size=world_size, pp=math.gcd(world_size, num_layers))
+        """Every rank its own pipeline stage, nothing TP-sharded: each rank holds whole tensors of
+        its share of the layers, and can read/write them directly. Layer counts no even split
+        fits (DeepSeek-V3's 61) give the first and last stage fewer layers than the others."""
+        if world_size > num_layers:
+            raise ValueError(
+                f"conversion gives each rank a pipeline stage of at least one layer: world size "
+                f"{world_size} exceeds num_layers({num_layers}); convert with at most {num_layers} "
+                f"ranks (torchrun --nproc-per-node {num_layers})")
+        return cls(world_size=world_size, pp=world_size, **conversion_ends(num_layers, world_size))
 
     @property
     def uneven(self) -> bool:
@@ -170,3 +176,17 @@ class ParallelDims:
                 f"sequence length {seq_len} must be divisible by tp({self.tp}) * cp({self.cp}) "
                 f"for sequence parallelism; pad sequences to a multiple of {self.tp * self.cp}"
             )
+
+
+def conversion_ends(num_layers: int, stages: int) -> dict:
+    """Pure: first/last stage sizes splitting num_layers (>= stages) over `stages` pipeline stages,
+    every stage >= 1 layer; {} when an even split fits. The middle stages take
+    ceil(num_layers / stages), as few as that leaves >= 1 layer for each end, and the ends share the
+    rest: no stage is larger than the middle ones (61 over 8: 6, 8 x 6, 7)."""
+    if num_layers % stages == 0:
+        return {}
+    if stages == 2:  # Megatron's two stages take one end's size; the other stage holds the rest
+        return dict(first_stage_layers=num_layers // 2)
+    middle = min(math.ceil(num_layers / stages), (num_layers - 2) // (stages - 2))
+    ends = num_layers - (stages - 2) * middle
+    return dict(first_stage_layers=ends // 2, last_stage_layers=ends - ends // 2)

@@ -5,14 +5,16 @@ in megarl.resharding.sync_weights with the "hf" layout (rank 0 holds every HF te
 the same plan and transport bring each bucket's tensors to rank 0, which writes them as one
 safetensors file (memory: one bucket, as in a sync).
 Writes into OUT.partial and renames it when the index, config and tokenizer files (and the
-untrained MTP layers, copied from the source checkpoint: mtp_weights.py) are in place.
+untrained MTP layers, copied from the source checkpoint: mtp_weights.py) are in place; MTP
+layers the source declares but lacks stay absent, and the export says so through `say`.
 Does not own the Megatron-checkpoint path (convert.py) or choosing when to export (the loop).
 """
 
 import json
 import os
 import shutil
-from typing import Dict, List, Sequence, Tuple
+import sys
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,9 +34,9 @@ class HFDirectoryWriter:
     """The RolloutEngine surface sync_weights uses, writing HF files instead of loading them."""
 
     def __init__(self, out_dir: str, hf_config: dict, assets_dir: str, dtype: torch.dtype,
-                 arch: ModelArch):
+                 arch: ModelArch, say: Callable[[str], None]):
         self.out_dir, self.hf_config, self.assets_dir, self.dtype = out_dir, hf_config, assets_dir, dtype
-        self.arch = arch
+        self.arch, self.say = arch, say
         self.partial = out_dir.rstrip("/") + ".partial"
         self.writer = dist.get_rank() == 0
         self.weight_map = {}
@@ -65,7 +67,10 @@ class HFDirectoryWriter:
         # The plan refuses to run unless it covers every tensor the architecture has, so what
         # was written is complete by construction.
         if self.writer:
-            self.weight_map.update(mtp_weights.restore(self.arch, self.assets_dir, self.partial))
+            mtp = mtp_weights.restore(self.arch, self.assets_dir, self.partial)
+            for note in mtp_weights.absent_notes(self.arch, len(mtp), self.assets_dir):
+                self.say(f"megarl: HF export {self.out_dir}: {note}")
+            self.weight_map.update(mtp)
             total = sum(os.path.getsize(os.path.join(self.partial, f)) for f in set(self.weight_map.values()))
             with open(os.path.join(self.partial, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": self.weight_map}, f,
@@ -81,10 +86,16 @@ class HFDirectoryWriter:
         return WeightUpdateReport(params_expected=written, params_loaded=written)
 
 
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def export_hf(chunks: List[torch.nn.Module], arch: ModelArch, hf_config: dict, tokenizer_dir: str,
-              out_dir: str) -> str:
-    """Collective: write the model held by `chunks` to `out_dir` in HF format."""
+              out_dir: str, say: Callable[[str], None] = _to_stderr) -> str:
+    """Collective: write the model held by `chunks` to `out_dir` in HF format; `tokenizer_dir` (the
+    source HF checkpoint) also gives the MTP layers. Rank 0 passes its notes to `say` (the run's
+    console in the loop)."""
     dtype = next(chunks[0].parameters()).dtype
-    sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir, dtype, arch))
+    sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir, dtype, arch, say))
     dist.barrier()
     return out_dir

@@ -231,7 +231,7 @@ def train(config: RunConfig, resume: Optional[str] = None) -> dict:
     log.close()
     if config.checkpoint.export_hf:
         export_hf(run.actor.state.chunks, run.arch, run.hf_config, config.model.hf_dir,
-                  os.path.join(config.run_dir, "hf"))
+                  os.path.join(config.run_dir, "hf"), say=console.say)
     if log.enabled and result is not None:
         _report(run, log, result.rollouts)
     run.source.shutdown()

@@ -1,28 +1,53 @@
 """torchrun worker: the converter scripts' own conversions (scripts/convert_hf_to_megatron.py,
-scripts/convert_megatron_to_hf.py) for several checkpoints in one launch: starting a launch costs
-more here than converting a tiny model. Each job's line is printed before it runs, so a failure's
-output names the job.
+scripts/convert_megatron_to_hf.py) and the run's live HF export for several checkpoints in one
+launch: starting a launch costs more here than converting a tiny model. Each job's line is printed
+before it runs, so a failure's output names the job; rank 0 prints each job's notes after it.
 
   python tests/workers/convert_models.py --jobs '[["hf_to_megatron", IN, OUT], ...]'
+
+Jobs: ["hf_to_megatron", HF, OUT], ["megatron_to_hf", MEGATRON, OUT], and ["export_hf", MEGATRON,
+HF, OUT]: the model loaded from MEGATRON exported as the training loop exports it at the end of a
+run (megarl.resharding.hf_export), HF being the run's model.hf_dir.
 """
 
 import argparse
 import json
 
+from megarl.models import checkpoint
+from megarl.models.builder import build_model
 from megarl.models.convert import hf_to_megatron, megatron_to_hf
+from megarl.models.hf_config import arch_from_hf_config
 from megarl.parallel_state import megatron_groups
+from megarl.parallel_state.dims import ParallelDims
+from megarl.resharding.hf_export import export_hf
 
-DIRECTIONS = {"hf_to_megatron": hf_to_megatron, "megatron_to_hf": megatron_to_hf}
+
+def live_export(megatron_dir: str, hf_dir: str, out_dir: str) -> dict:
+    """{"notes": what the export said}."""
+    hf_config = checkpoint.read_model_file(megatron_dir)["hf_config"]
+    arch = arch_from_hf_config(hf_config)
+    dims = ParallelDims.for_conversion(megatron_groups.init_distributed(), arch.num_layers)
+    megatron_groups.initialize(dims)
+    chunks = build_model(arch, dims, perform_initialization=False)
+    checkpoint.load(chunks, megatron_dir)
+    notes = []
+    export_hf(chunks, arch, hf_config, hf_dir, out_dir, say=notes.append)
+    return {"notes": notes}
+
+
+DIRECTIONS = {"hf_to_megatron": hf_to_megatron, "megatron_to_hf": megatron_to_hf, "export_hf": live_export}
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--jobs", required=True, help="JSON list of [direction, in_dir, out_dir]")
+    parser.add_argument("--jobs", required=True, help="JSON list of [direction, *dirs]")
     args = parser.parse_args()
     # One world for every job: each conversion rebuilds its groups on it (megatron_groups.initialize).
-    for direction, in_dir, out_dir in json.loads(args.jobs):
-        print(json.dumps({"job": [direction, in_dir, out_dir]}), flush=True)
-        DIRECTIONS[direction](in_dir, out_dir)  # as the script calls it
+    for direction, *dirs in json.loads(args.jobs):
+        print(json.dumps({"job": [direction, *dirs]}), flush=True)
+        result = DIRECTIONS[direction](*dirs)  # as the script (or the loop) calls it
+        if megatron_groups.is_rank0():
+            print(json.dumps({"done": dirs[-1], "notes": result["notes"]}), flush=True)
     megatron_groups.destroy()
 
 
