@@ -53,10 +53,13 @@ def test_conversion_gives_every_rank_a_stage(world, layers, counts):
     assert (dims.pp, dims.dp, dims.stage_layers(layers)) == (world, 1, counts)
 
 
-def test_conversion_refuses_more_ranks_than_layers():
-    with pytest.raises(ValueError, match=r"world size 8 exceeds num_layers\(4\); convert with at most 4 "
-                                         r"ranks \(torchrun --nproc-per-node 4\)"):
-        ParallelDims.for_conversion(8, 4)
+@pytest.mark.parametrize("world,layers,pp", [(8, 4, 4), (64, 32, 32), (64, 61, 32), (12, 5, 4), (3, 2, 1)])
+def test_more_ranks_than_layers_convert_with_replicas(world, layers, pp):
+    """A whole allocation for a smaller model: the most stages that divide the world and fit the
+    layers, every stage holding layers, and the rest data-parallel replicas."""
+    dims = ParallelDims.for_conversion(world, layers)
+    assert (dims.pp, dims.dp) == (pp, world // pp)
+    assert min(dims.stage_layers(layers)) >= 1 and sum(dims.stage_layers(layers)) == layers
 
 
 @pytest.mark.parametrize("world", [2, 4, 8, 16])

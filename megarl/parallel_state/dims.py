@@ -66,13 +66,11 @@ class ParallelDims:
     def for_conversion(cls, world_size: int, num_layers: int) -> "ParallelDims":
         """Every rank its own pipeline stage, nothing TP-sharded: each rank holds whole tensors of
         its share of the layers, and can read/write them directly. Layer counts no even split
-        fits (DeepSeek-V3's 61) give the first and last stage fewer layers than the others."""
-        if world_size > num_layers:
-            raise ValueError(
-                f"conversion gives each rank a pipeline stage of at least one layer: world size "
-                f"{world_size} exceeds num_layers({num_layers}); convert with at most {num_layers} "
-                f"ranks (torchrun --nproc-per-node {num_layers})")
-        return cls(world_size=world_size, pp=world_size, **conversion_ends(num_layers, world_size))
+        fits (DeepSeek-V3's 61) give the first and last stage fewer layers than the others. A
+        world larger than the layer count (a whole allocation of nodes for a small model) takes as
+        many stages as divide it and fit, and the other ranks are data-parallel replicas."""
+        pp = max(d for d in range(1, min(world_size, num_layers) + 1) if world_size % d == 0)
+        return cls(world_size=world_size, pp=pp, **conversion_ends(num_layers, pp))
 
     @property
     def uneven(self) -> bool:
