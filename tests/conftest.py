@@ -58,6 +58,10 @@ TIERS = {
     "test_presets": UNIT,
     "test_prompts": UNIT,
     "test_resharding_plan": UNIT,
+    "test_recompute_offload": (DISTRIBUTED, {name: UNIT for name in (
+        "test_recompute_settings_are_refused_with_the_fix",
+        "test_recompute_fields_reach_megatron_or_name_the_problem",
+        "test_offload_settings_and_the_optimizer_config_they_make")}),
     "test_reward_terms": UNIT,
     # the scoring pool's tests start worker processes
     "test_rewards": (UNIT, {name: DISTRIBUTED for name in (

@@ -35,7 +35,7 @@ class Actor:
         require_norm_tokens(config.loss_aggregation, config.norm_tokens, "actor")
         self.arch, self.config = arch, config
         chunks[0].config.moe_aux_loss_coeff = 0.0
-        self.state = TrainState(chunks, config.optim)
+        self.state = TrainState(chunks, config.optim, config.optimizer_offload)
         if config.router_replay != "off" and not arch.num_experts:
             raise ValueError(f"actor.router_replay={config.router_replay!r} needs a MoE model; "
                              f"{arch.family} has no routers: set actor.router_replay=off")

@@ -1,5 +1,5 @@
-"""Configuration of the actor's update (loss switches, batching, optimizer) and the batching and
-aggregation checks the critic's config shares.
+"""Configuration of the actor's update (loss switches, batching, optimizer, recompute, optimizer
+offload) and the batching and aggregation checks the critic's config shares.
 
 Typed and validated when built, before any process group exists; nothing here is derived later.
 """
@@ -7,12 +7,13 @@ Typed and validated when built, before any process group exists; nothing here is
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megarl.actor.optimizer import OptimConfig
+from megarl.actor.optimizer import OptimConfig, OptimizerOffloadConfig, check_offload
 from megarl.algos import pick
 from megarl.algos.aggregation import AGGREGATIONS
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.algos.policy_losses import DEFAULT_AGGREGATION, POLICY_LOSSES
 from megarl.algos.rollout_correction import PRESETS, Correction
+from megarl.models.megatron_config import RecomputeConfig
 
 NORMED = "seq-mean-token-sum-norm"  # the aggregation that needs norm_tokens
 
@@ -103,9 +104,12 @@ class ActorConfig:
     router_replay: str = "off"  # MoE: ROUTER_REPLAY; "rollout" needs the engine's routing
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
 
     def __post_init__(self):
         pick(POLICY_LOSSES, self.policy_loss, "policy_loss")
+        check_offload(self.optim, self.optimizer_offload, "actor")
         check_aggregation(self.aggregation, self.norm_tokens, "actor")
         pick(KL_ESTIMATORS, self.kl_estimator, "kl_estimator")
         if self.kl_clamp is not None and self.kl_clamp <= 0:

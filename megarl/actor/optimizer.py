@@ -1,10 +1,11 @@
 """The trained state of a model (actor or critic): Megatron DDP, its optimizer and LR schedule.
 
-Owns OptimConfig (validated before anything is built) and one optimizer step over packed
-micro-batches. Gradients are *summed* over micro-batches and data-parallel ranks: every loss
-megarl returns is already that micro-batch's share of the global-batch loss (algos/aggregation),
-so nothing may divide again. Megatron's per-token-loss mode gives exactly that sum in DDP; the
-division by a token count that mode normally applies afterwards is skipped.
+Owns OptimConfig and OptimizerOffloadConfig (validated before anything is built), the Megatron
+OptimizerConfig they make, and one optimizer step over packed micro-batches. Gradients are
+*summed* over micro-batches and data-parallel ranks: every loss megarl returns is already that
+micro-batch's share of the global-batch loss (algos/aggregation), so nothing may divide again.
+Megatron's per-token-loss mode gives exactly that sum in DDP; the division by a token count that
+mode normally applies afterwards is skipped.
 Does not own losses or data.
 """
 
@@ -22,9 +23,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.actor.packing import PackedMicroBatch
 from megarl.actor.schedule import run_micro_batches
+from megarl.models.layer_spec import transformer_engine_available
 from megarl.parallel_state import device_choice
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+# Adam moment dtypes of Megatron's precision-aware optimizer (Megatron-LM's --exp-avg-dtype: fp8
+# is TE FusedAdam's uint8 storage with a scale).
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,90 @@ class OptimConfig:
         if self.lr_warmup_steps < 0 or self.clip_grad < 0:
             raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} and clip_grad={self.clip_grad} "
                              "must be >= 0")
+
+
+@dataclass(frozen=True)
+class OptimizerOffloadConfig:
+    """Where Adam's state lives and how wide its moments are: `actor.optimizer_offload` /
+    `critic.optimizer_offload`. Needs the distributed optimizer (optim.use_distributed_optimizer).
+
+    fraction > 0 is Megatron's optimizer_cpu_offload: that share of each rank's optimizer shard
+    (by elements, in parameter order) keeps its fp32 main copy and moments in host memory and is
+    stepped there by torch's AdamW; gradients go to the host and the new weights come back every
+    step (HybridDeviceOptimizer). Its moments stay fp32.
+    exp_avg_dtype / exp_avg_sq_dtype (fp32 | bf16 | fp16 | fp8) below fp32 are Megatron's
+    precision-aware optimizer: the moments stay on the GPU at that width, which only Transformer
+    Engine's FusedAdam does."""
+    fraction: float = 0.0
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+
+    def __post_init__(self):
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"optimizer_offload.fraction={self.fraction} must be in [0, 1] (the share "
+                             "of the optimizer state kept and stepped on the host; 0: none)")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) not in MOMENT_DTYPES:
+                raise ValueError(f"optimizer_offload.{name}={getattr(self, name)!r}; choose one of "
+                                 f"{list(MOMENT_DTYPES)}")
+        if self.fraction and self.narrow_moments:
+            # optimizer/__init__.py builds HybridDeviceOptimizer without the moment dtypes.
+            raise ValueError(f"optimizer_offload.fraction={self.fraction} keeps Adam's moments in fp32 "
+                             f"(Megatron's offload ignores exp_avg_dtype={self.exp_avg_dtype!r} and "
+                             f"exp_avg_sq_dtype={self.exp_avg_sq_dtype!r}): set both to fp32, or "
+                             "fraction to 0 for narrow moments on the GPU")
+
+    @property
+    def narrow_moments(self) -> bool:
+        return (self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32", "fp32")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.fraction) or self.narrow_moments
+
+
+NO_OFFLOAD = OptimizerOffloadConfig()
+
+
+def check_offload(optim: OptimConfig, offload: OptimizerOffloadConfig, section: str) -> None:
+    """Megatron offloads and narrows only the distributed optimizer's state
+    (OptimizerConfig.__post_init__ asserts it for the precision-aware optimizer, which the offload
+    rides on)."""
+    if offload.active and not optim.use_distributed_optimizer:
+        raise ValueError(f"{section}.optimizer_offload ({offload}) needs the distributed optimizer: "
+                         f"set {section}.optim.use_distributed_optimizer=true")
+
+
+def offload_fields(offload: OptimizerOffloadConfig, params_dtype: torch.dtype, on_gpu: bool,
+                   use_te: bool) -> dict:
+    """Pure: Megatron OptimizerConfig fields of `offload` on this machine; ValueError naming the
+    value and the fix where the machine cannot run it."""
+    if not offload.active:
+        return {}
+    if offload.narrow_moments and not use_te:
+        raise ValueError(f"optimizer_offload.exp_avg_dtype={offload.exp_avg_dtype!r} / exp_avg_sq_dtype="
+                         f"{offload.exp_avg_sq_dtype!r}: moments narrower than fp32 need Transformer "
+                         "Engine's FusedAdam on a GPU (Megatron's precision-aware optimizer, "
+                         "optimizer_config.py), absent here: keep fp32 moments, or offload them "
+                         "(optimizer_offload.fraction)")
+    if offload.fraction and params_dtype == torch.float32:
+        # distrib_optimizer.py:415 hands it fp32 parameters' shards as views of the parameters,
+        # which torch.optim refuses ("can't optimize a non-leaf Tensor"); bf16 shards are detached.
+        raise ValueError(f"optimizer_offload.fraction={offload.fraction} needs a bf16 or fp16 model "
+                         "(Megatron 0.16's offload cannot step float32 parameters): train in bf16, "
+                         "or set fraction to 0")
+    if offload.fraction and on_gpu and not use_te:
+        raise ValueError(f"optimizer_offload.fraction={offload.fraction} needs Transformer Engine on a GPU: "
+                         "Megatron's offload rides on the precision-aware optimizer, whose config "
+                         "reads TE's version (optimizer_config.py:383): install transformer-engine, "
+                         "or set fraction to 0")
+    if offload.narrow_moments:
+        return dict(use_precision_aware_optimizer=True, exp_avg_dtype=MOMENT_DTYPES[offload.exp_avg_dtype],
+                    exp_avg_sq_dtype=MOMENT_DTYPES[offload.exp_avg_sq_dtype])
+    # Megatron-LM requires the precision-aware optimizer with the offload: HybridDeviceOptimizer
+    # holds the main params and reads the gradients (`decoupled_grad`) on that flag's code path.
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=offload.fraction,
+                use_precision_aware_optimizer=True, pin_cpu_grads=on_gpu, pin_cpu_params=on_gpu)
 
 
 def _per_chunk(funcs: list):
@@ -82,8 +171,11 @@ def lr_scheduler(optimizer, config: OptimConfig) -> OptimizerParamScheduler:
 class TrainState:
     """DDP-wrapped chunks + Megatron optimizer (distributed when configured) + LR scheduler."""
 
-    def __init__(self, chunks: List[torch.nn.Module], config: OptimConfig):
+    def __init__(self, chunks: List[torch.nn.Module], config: OptimConfig,
+                 offload: OptimizerOffloadConfig = NO_OFFLOAD):
         model_config = chunks[0].config
+        use_te = device_choice.on_gpu() and transformer_engine_available()
+        offloaded = offload_fields(offload, model_config.params_dtype, device_choice.on_gpu(), use_te)
         model_config.calculate_per_token_loss = True  # DDP reads it when built: sum, not average
         model_config.finalize_model_grads_func = _sum_grads
         # On GPUs the gradient reduce of a bucket overlaps the rest of the backward (NCCL streams);
@@ -107,7 +199,7 @@ class TrainState:
                             clip_grad=config.clip_grad,
                             use_distributed_optimizer=config.use_distributed_optimizer,
                             params_dtype=model_config.params_dtype, bf16=model_config.bf16,
-                            fp16=model_config.fp16),
+                            fp16=model_config.fp16, **offloaded),
             self.model, use_gloo_process_groups=False)
         self.scheduler = lr_scheduler(self.optimizer, config)
 

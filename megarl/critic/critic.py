@@ -28,7 +28,7 @@ class Critic:
         require_norm_tokens(config.aggregation, config.norm_tokens, "critic")
         self.config = config
         chunks[0].config.moe_aux_loss_coeff = 0.0
-        self.state = TrainState(chunks, config.optim)
+        self.state = TrainState(chunks, config.optim, config.optimizer_offload)
 
     def _token_values(self, mb: PackedMicroBatch, output: torch.Tensor) -> torch.Tensor:
         """output [1, t/cp, 1] -> values [n, W]: column i is the value of the state before token i."""

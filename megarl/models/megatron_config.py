@@ -1,10 +1,13 @@
 """ModelArch + ParallelDims -> Megatron-Core TransformerConfig.
 
 Owns the numeric choices that make a Megatron model compute what the HF model computes
-(RMSNorm eps, SwiGLU, GQA groups, QK norm, router softmax order, padded vocabulary).
+(RMSNorm eps, SwiGLU, GQA groups, QK norm, router softmax order, padded vocabulary), and
+activation recompute (RecomputeConfig), which changes memory and time, never the numbers.
 """
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,89 @@ VOCAB_DIVISOR = 128
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     multiple = VOCAB_DIVISOR * tp
     return -(-vocab_size // multiple) * multiple
+
+
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+# Megatron-Core 0.16's recompute_modules (TransformerConfig.__post_init__'s allowed set).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+# Modules whose recompute needs Transformer Engine. moe_act: Megatron recomputes the activation only
+# in TE's grouped-GEMM experts (moe_grouped_gemm). layernorm: tensor_parallel/random.py:636
+# (`self.fp8 = fp8 is not None`) makes every CheckpointWithoutOutput that the layer builds with
+# the default fp8=False reach for TE's FP8GlobalStateManager.
+TE_RECOMPUTE_MODULES = ("moe_act", "layernorm")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recompute (Megatron-Core's): keep fewer activations in the forward and compute
+    them again in the backward. `actor.recompute` / `critic.recompute`.
+
+    granularity: none | selective (the `modules` of every layer) | full (whole layers, chosen
+    by `method` and `num_layers`). uniform: every stage's layers in units of num_layers, only
+    each unit's input kept; block: the first num_layers layers of each stage, the rest keep
+    everything."""
+    granularity: str = "none"
+    method: Optional[str] = None  # full only: uniform | block
+    num_layers: Optional[int] = None  # full only: layers per unit (uniform) or per stage (block)
+    modules: Optional[Tuple[str, ...]] = None  # selective only; None: Megatron's ("core_attn",)
+
+    def __post_init__(self):
+        key = "recompute"
+        if self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"{key}.granularity={self.granularity!r}; choose one of "
+                             f"{list(RECOMPUTE_GRANULARITIES)}")
+        if self.granularity == "full":
+            if self.method not in RECOMPUTE_METHODS or self.num_layers is None or self.num_layers < 1:
+                raise ValueError(f"{key}.granularity=full needs {key}.method (uniform | block, got "
+                                 f"{self.method!r}) and {key}.num_layers >= 1 (got {self.num_layers!r})")
+        elif self.method is not None or self.num_layers is not None:
+            raise ValueError(f"{key}.method={self.method!r} and {key}.num_layers={self.num_layers!r} "
+                             f"choose whole layers for granularity=full; with granularity="
+                             f"{self.granularity!r} leave them null")
+        if self.modules is not None:
+            if self.granularity != "selective":
+                raise ValueError(f"{key}.modules={list(self.modules)} applies to granularity="
+                                 f"selective only (got {self.granularity!r}): set it or drop modules")
+            unknown = sorted(set(self.modules) - set(RECOMPUTE_MODULES))
+            if unknown or not self.modules:
+                raise ValueError(f"{key}.modules={list(self.modules)}: choose one or more of "
+                                 f"{list(RECOMPUTE_MODULES)}")
+
+
+NO_RECOMPUTE = RecomputeConfig()
+
+
+def recompute_fields(recompute: RecomputeConfig, arch: ModelArch, dims: ParallelDims,
+                     use_te: bool) -> dict:
+    """Pure: the TransformerConfig fields of `recompute`, refusing (naming the value and the fix)
+    what this model, layout or backend cannot run: Megatron's own rules come after these."""
+    if recompute.granularity == "none":
+        return {}
+    if recompute.granularity == "selective":
+        modules = list(recompute.modules or ("core_attn",))
+        needs_te = sorted(set(modules) & set(TE_RECOMPUTE_MODULES))
+        if needs_te and not use_te:
+            raise ValueError(f"recompute.modules {needs_te} need Transformer Engine (absent here, or "
+                             "off on CPU): recompute core_attn, mlp, moe or shared_experts instead")
+        model_only = {"moe": arch.num_experts, "moe_act": arch.num_experts,
+                      "shared_experts": arch.shared_expert_ffn, "mla_up_proj": arch.mla}
+        absent = sorted(m for m in modules if m in model_only and not model_only[m])
+        if absent:
+            raise ValueError(f"recompute.modules {absent} name parts {arch.family} does not have: "
+                             "drop them")
+        return dict(recompute_granularity="selective", recompute_modules=modules)
+    stages = dims.stage_layers(arch.num_layers)  # layers of each model chunk
+    n = recompute.num_layers
+    if recompute.method == "uniform" and any(layers % n for layers in stages):
+        raise ValueError(f"recompute.method=uniform recomputes units of recompute.num_layers={n} "
+                         f"layers, which must divide every pipeline stage's layers {sorted(set(stages))}: "
+                         "choose a divisor, or method=block")
+    if recompute.method == "block" and n > max(stages):
+        raise ValueError(f"recompute.num_layers={n} exceeds the most layers a pipeline stage holds "
+                         f"({max(stages)}): use {max(stages)} to recompute every layer")
+    return dict(recompute_granularity="full", recompute_method=recompute.method,
+                recompute_num_layers=n)
 
 
 def gpu_switches(on_gpu: bool, interleaved: bool, grad_accum_kernel: bool) -> dict:
@@ -56,6 +142,7 @@ def check_te_dtype(dtype: torch.dtype, use_te: bool) -> None:
 
 def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtype = None,
                        aux_loss_coeff: float = None, use_te: bool = False,
+                       recompute: RecomputeConfig = NO_RECOMPUTE,
                        **overrides) -> TransformerConfig:
     """Build the TransformerConfig; `overrides` are TransformerConfig fields set last."""
     dense_layers = not arch.num_experts or arch.first_dense_layers
@@ -119,6 +206,7 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
         moe_token_dispatcher_type="alltoall",  # the only dispatcher that allows variable lengths
         cp_comm_type="p2p" if use_te and dims.cp > 1 else None,
         **moe,
+        **recompute_fields(recompute, arch, dims, use_te),
     )
     config_class = TransformerConfig
     if arch.mla:

@@ -40,6 +40,9 @@ class _CpuStream:
     def wait_event(self, event):
         pass
 
+    def wait(self, stream=None):
+        pass
+
     def __eq__(self, other):
         return isinstance(other, _CpuStream)
 
@@ -180,6 +183,7 @@ _PATCHED_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
     "megatron.core.parallel_state",
     "megatron.core.utils",
     "megatron.core.dist_checkpointing.strategies.torch",
@@ -228,6 +232,14 @@ def install() -> None:
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer
     distrib._build_model_and_main_param_groups = staticmethod(_types_read_as_cuda(
         distrib._build_model_and_main_param_groups))
+    # The optimizer offload rides on the precision-aware optimizer, whose config asks for
+    # Transformer Engine's version (optimizer_config.py:383) and fails on None without TE: no TE
+    # is no TE of the minimum version.
+    importlib.import_module("megatron.core.optimizer.optimizer_config").is_te_min_version = (
+        lambda version, check_equality=True: False)
+    hybrid = importlib.import_module("megatron.core.optimizer.cpu_offloading.hybrid_optimizer")
+    hybrid.HybridDeviceOptimizer._get_sub_optimizer_param_groups = _split_as_on_gpu(
+        hybrid.HybridDeviceOptimizer._get_sub_optimizer_param_groups)
     optimizer = sys.modules["megatron.core.optimizer.optimizer"]
     optimizer.clip_grad_by_total_norm_fp32 = _types_read_as_cuda(optimizer.clip_grad_by_total_norm_fp32)
     # Without Transformer Engine, megatron.core.extensions.transformer_engine still imports and
@@ -240,6 +252,11 @@ def install() -> None:
     random = sys.modules["megatron.core.tensor_parallel.random"]
     random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute saves the CUDA generator's state beside the CPU generator's and sets
+    # both back before recomputing (_get_all_rng_states / _set_all_rng_states). Without CUDA the
+    # CPU generator, which those calls save and restore themselves, is the only one.
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
     _INSTALLED = True
 
 
@@ -348,3 +365,63 @@ def _keep_on_cpu(method):
             return method(*args, **kwargs)
 
     return wrapper
+
+
+def _split_as_on_gpu(method):
+    """Megatron's optimizer offload (HybridDeviceOptimizer) splits the optimizer's *CUDA*
+    parameters: `offload_fraction` of them get a host copy (`.cpu().pin_memory()`) that the host
+    AdamW steps and copies back, the rest stay with the device optimizer (with fp32 copies of
+    bf16 ones). Without CUDA every tensor reads as a host one and the split finds no device
+    parameter. So while it splits, the parameters it was given and what detach/clone/float make
+    of them read as device tensors, and `.cpu()` makes a real (unpinned) copy that reads as a
+    host one: the same split, copies and steps as on a GPU."""
+
+    def wrapper(self, offload_fraction):
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:
+            p._megarl_on_device = True
+        try:
+            with _class_attributes(torch.Tensor, is_cuda=property(_reads_on_device),
+                                   detach=_same_place("detach"), clone=_same_place("clone"),
+                                   float=_same_place("float"),
+                                   cpu=lambda t: torch._C.TensorBase.clone(t),
+                                   pin_memory=lambda t, *args, **kwargs: t):
+                return method(self, offload_fraction)
+        finally:
+            for p in params:
+                del p._megarl_on_device
+
+    return wrapper
+
+
+def _reads_on_device(tensor) -> bool:
+    return getattr(tensor, "_megarl_on_device", False)
+
+
+def _same_place(name: str):
+    """Tensor.<name> whose result reads as a device tensor when its source does."""
+    op = getattr(torch._C.TensorBase, name)
+
+    def same_place(tensor, *args, **kwargs):
+        out = op(tensor, *args, **kwargs)
+        if out is not tensor and _reads_on_device(tensor):
+            out._megarl_on_device = True
+        return out
+
+    return same_place
+
+
+@contextlib.contextmanager
+def _class_attributes(cls, **attributes):
+    """Set attributes on `cls` for the duration of the block (inherited ones: shadowed)."""
+    saved = {name: cls.__dict__[name] for name in attributes if name in cls.__dict__}
+    for name, value in attributes.items():
+        setattr(cls, name, value)
+    try:
+        yield
+    finally:
+        for name in attributes:
+            if name in saved:
+                setattr(cls, name, saved[name])
+            else:
+                delattr(cls, name)

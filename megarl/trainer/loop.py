@@ -107,7 +107,7 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
         with open(os.path.join(config.run_dir, "config.json"), "w") as f:
             json.dump(asdict(config), f, indent=2)
 
-    actor_chunks = build_model(arch, dims, perform_initialization=False,
+    actor_chunks = build_model(arch, dims, perform_initialization=False, recompute=config.actor.recompute,
                                **config.model.transformer_overrides())
     _load(actor_chunks, arch, config, "policy")
     actor = Actor(actor_chunks, arch, config.actor_config)
@@ -115,7 +115,8 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
         actor.snapshot_reference()  # the initial weights, also when resuming
     critic = None
     if config.algo.uses_critic:
-        critic_chunks = build_model(arch, dims, role="value", **config.model.transformer_overrides())
+        critic_chunks = build_model(arch, dims, role="value", recompute=config.critic.recompute,
+                                    **config.model.transformer_overrides())
         _load(critic_chunks, arch, config, "value")
         critic = Critic(critic_chunks, config.critic_config)
 

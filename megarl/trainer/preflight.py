@@ -12,9 +12,11 @@ itself applies later.
 import os
 
 from megarl.actor.config import BatchingConfig
+from megarl.actor.optimizer import offload_fields
 from megarl.actor.packing import plan_micro_batches
 from megarl.actor.passes import mini_batch_rows
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config, reward_model_arch
+from megarl.models.layer_spec import transformer_engine_available
 from megarl.models.megatron_config import check_te_dtype, transformer_config
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
@@ -73,6 +75,7 @@ def preflight(config: RunConfig) -> ParallelDims:
     dims = config.layout.dims()
     transformer_config(arch, dims)  # the builder's check_model, then Megatron's own checks
     check_te_dtype(arch.torch_dtype, use_te=device_choice.on_gpu())
+    _check_training_state(config, arch, dims)
     _check_rollout(config, arch)
     longest = config.data.max_prompt_len + config.generation.max_new_tokens
     if longest > arch.max_position_embeddings:
@@ -86,6 +89,29 @@ def preflight(config: RunConfig) -> ParallelDims:
         _check_reward_model(path, dims, longest)
     _check_data(config)
     return dims
+
+
+def _check_training_state(config: RunConfig, arch: ModelArch, dims: ParallelDims) -> None:
+    """Recompute and optimizer offload of the actor (and the critic when the run has one) on this
+    machine, as build_model and TrainState will apply them."""
+    on_gpu = device_choice.on_gpu()
+    use_te = on_gpu and transformer_engine_available()
+    sections = {"actor": config.actor} | ({"critic": config.critic} if config.algo.uses_critic else {})
+    for section, role in sections.items():
+        try:
+            transformer_config(arch, dims, use_te=use_te, recompute=role.recompute)
+            offload_fields(role.optimizer_offload, arch.torch_dtype, on_gpu, use_te)
+        except ValueError as error:
+            raise ValueError(f"{section}: {error}") from error
+    recompute = config.actor.recompute
+    routers_rerun = recompute.granularity == "full" or "moe" in (recompute.modules or ())
+    if config.actor.router_replay != "off" and routers_rerun and dims.pp > 1:
+        # The replay sets each router's experts before its micro-batch's forward; a pipeline runs
+        # later micro-batches' forwards before an earlier one's backward recomputes it.
+        raise ValueError(f"actor.router_replay={config.actor.router_replay!r} with actor.recompute."
+                         f"granularity={recompute.granularity!r} at pp={dims.pp}: a recomputed "
+                         "router would replay another micro-batch's experts; recompute no routers "
+                         "(granularity=none, or selective without moe) or set router_replay=off")
 
 
 def _check_reward_model(path: str, dims: ParallelDims, longest: int) -> None:
