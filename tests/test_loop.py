@@ -502,8 +502,13 @@ def test_deepseek_v3_demo_reward_rises(tmp_path):
     experts, a dense first layer, an MTP layer carried along): scripts/prepare_demo.py --model
     deepseek_v3, then 20 steps of configs/demo_cpu.yaml's PPO (R3 and IcePop included) with 16
     prompts a step (3.1 s a step here against 4.9 s with the demo's 32) through
-    scripts/train_ppo_moe.py. The mean reward of the last 5 steps beats the first 5 steps' by at
-    least 0.15: measured 0.37 -> 0.66 (seed 0, this run) and 0.30 -> 0.64 (seed 1)."""
+    scripts/train_ppo_moe.py. Measured over seeds 0-5 (prepare_demo.py --seed and the run's seed
+    alike; 0 is this run, 0.37 -> 0.66), the mean reward of the last 5 steps beat the first 5
+    steps' by 0.30, 0.24, 0.39, 0.29, 0.13, 0.07, and the actor's KL to the reference over the
+    last 5 steps was 0.22, 0.16, 0.42, 0.30, 0.69, 0.27. With learning off (actor.optim.lr=1e-12,
+    seed 0) the reward still "rose" 0.16 (one step's mean swings by 0.1-0.3 here), but the KL
+    stayed at 0.001: so the policy must have moved (KL >= 0.05) and its move raised the reward
+    (rise >= 0.05, below the worst seed)."""
     inputs, run_dir = tmp_path / "inputs", tmp_path / "run"
     run("scripts/prepare_demo.py", "--out", str(inputs), "--prompts", "200", "--model", "deepseek_v3")
     run("scripts/train_ppo_moe.py", *_args(inputs, run_dir, "steps=20", "layout.world_size=1",
@@ -513,7 +518,9 @@ def test_deepseek_v3_demo_reward_rises(tmp_path):
     rewards = [s["reward/mean"] for s in steps]
     assert len(rewards) == 20
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last - first >= 0.15, f"reward {first:.3f} (steps 1-5) -> {last:.3f} (steps 16-20): {rewards}"
+    assert last - first >= 0.05, f"reward {first:.3f} (steps 1-5) -> {last:.3f} (steps 16-20): {rewards}"
+    kl = [s["kl/actor_to_reference"] for s in steps]
+    assert sum(kl[-5:]) / 5 >= 0.05, f"the actor hardly moved from the reference: {kl}"
     # vLLM's CPU MLA is not shown exact on every shape (docs/PERFORMANCE.md, "vLLM's CPU MLA": 8.1e-6 from
     # the actor on this model after a sync); through training it stays close to the actor's.
     assert max(s["mismatch/logprob_diff_max"] for s in steps) < 0.05

@@ -1,9 +1,12 @@
-"""The GPU cluster presets in configs/: each loads as a RunConfig, and its layout, rollout engines
-and batch sizes fit the real model it is for, stood in by the model's published config.json (no
-weights). The checks are the run's own preflight (megarl/trainer/preflight.py), which the training
-script applies before any process starts, plus the shape of 8-GPU nodes. Broken overrides are
-refused naming their value."""
+"""Every file in configs/ passes the run's own preflight (megarl/trainer/preflight.py), which the
+training script applies before any process starts. The GPU cluster presets: each loads as a
+RunConfig, and its layout, rollout engines and batch sizes fit the real model it is for, stood in
+by the model's published config.json (no weights), plus the shape of 8-GPU nodes; broken
+overrides are refused naming their value. The CPU demos: against their inputs as
+scripts/prepare_demo.py makes them (less the warm start and the Megatron conversion, which
+preflight does not read)."""
 
+import glob
 import json
 import os
 import types
@@ -13,8 +16,11 @@ import pytest
 import torch
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
+from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
+from megarl.demo.tool_task import tool_records, train_tool_tokenizer
 from megarl.models.hf_config import load_arch
 from megarl.models.megatron_config import check_te_dtype, gpu_switches, transformer_config
+from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.destination import hf_tensors
 from megarl.rollout import vllm_engine
@@ -77,8 +83,55 @@ def check_preset(config: RunConfig, arch=None) -> ParallelDims:
     return dims
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
-def test_preset_fits_its_model(name, tmp_path):
+# The CPU demos and the task scripts/prepare_demo.py makes their inputs for (--task; the model is
+# its default, the demo's tiny Qwen3-MoE).
+DEMOS = {"demo_cpu.yaml": "addition", "demo_async_cpu.yaml": "addition", "demo_tools_cpu.yaml": "tools"}
+# Found by listing the folder, not by name: a config added to configs/ is preflighted here, or
+# fails here until it is.
+CONFIG_FILES = sorted(os.path.basename(path) for path in glob.glob(os.path.join(CONFIGS, "*.yaml")))
+
+
+def demo_inputs(task: str, out) -> None:
+    """OUT/model (tokenizer, config.json, random weights) and OUT/train.jsonl as
+    scripts/prepare_demo.py --task TASK --hf-only writes them, without the warm start."""
+    import transformers
+
+    tools = task == "tools"
+    records = tool_records(200, seed=0) if tools else arithmetic_records(200, max_operand=4, seed=0)
+    write_jsonl(records, str(out / "train.jsonl"))
+    (train_tool_tokenizer if tools else train_tokenizer)(records, str(out / "model"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out / "model"))
+    make_tiny_checkpoint("qwen3_moe", str(out / "model"), vocab_size=len(tokenizer),
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+
+
+def check_demo(name: str, tmp_path) -> ParallelDims:
+    """A CPU demo's preflight on its inputs, which it reads where prepare_demo.py --out DIR puts them."""
+    path = os.path.join(CONFIGS, name)
+    given = load(RunConfig, path, [])
+    inputs = os.path.dirname(given.model.hf_dir)
+    assert given.model.hf_dir == os.path.join(inputs, "model"), given.model
+    assert given.data.path == os.path.join(inputs, "train.jsonl"), given.data
+    assert given.model.megatron_dir in (None, os.path.join(inputs, "megatron")), given.model
+    demo_inputs(DEMOS[name], tmp_path)
+    config = load(RunConfig, path, [f"model.hf_dir={tmp_path / 'model'}",
+                                    f"data.path={tmp_path / 'train.jsonl'}"])
+    # The CPU path whatever machine runs this: the demo models are fp32, which Transformer Engine
+    # refuses on packed sequences (test_fp32_models_are_refused_on_transformer_engine_only).
+    with mock.patch.object(device_choice, "on_gpu", lambda: False):
+        return preflight(config)
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_every_config_passes_preflight(name, tmp_path):
+    if name in DEMOS:
+        dims = check_demo(name, tmp_path)
+        assert dims.world_size <= 2, "the CPU demos run on this 2-core machine"
+        return
+    assert name in PRESETS, (f"configs/{name} is preflighted by no test: add it to PRESETS (a GPU preset, "
+                             "with its model's published config.json) or DEMOS (a CPU demo, with its task) "
+                             "in tests/test_presets.py")
     config, arch = load_preset(name, tmp_path)
     assert arch.architecture == PRESETS[name]["architectures"][0] and arch.num_experts
     dims = check_preset(config, arch)
