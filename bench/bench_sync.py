@@ -6,9 +6,13 @@ For every case (model size x dtype x training layout x rollout TP x world size) 
 starts one torchrun world running this file with --worker, which loads a random checkpoint into
 the Megatron actor, builds a colocated vLLM engine, and times:
   sync   megarl.resharding.sync_weights (median of --repeats after one warm-up),
-  floor  one memcpy of the model's bytes in one process (torch.empty + copy_, median),
-  naive  what other trainers do: every full HF tensor gathered to every rank
-         (megarl.models.hf_io.gather_hf_tensors) and all of them reloaded into vLLM.
+  floor  one copy_ of the model's bytes into a buffer already written once, in one process
+         (memory bandwidth alone, median); the same copy into a fresh buffer (torch.empty +
+         copy_, page faults included: the floor before issue 33) is reported beside it,
+  naive  what other trainers do (verl's per-tensor generator, slime's TP/EP gather): each full tensor
+         assembled with tensor collectives within the groups that hold its pieces (PP broadcast,
+         TP or expert-TP all-gather, EP all-gather; nothing pickled, DP replicas send nothing),
+         converted to HF names on every rank and all of them reloaded into vLLM (naive_hf_tensors).
 stdout: one JSON line per case, then one summary line (scaling with model size and TP, and
 which of the issue's targets hold); logs go to stderr. Exit status 1 if a case failed.
 
@@ -110,8 +114,9 @@ def full_cases() -> List[Case]:
     cases = [Case("qwen3-20m", "float32", 2, tp=2, rollout_tp=2, logprob_check=True)]
     cases += _dense_layouts("qwen3-20m", "float32")[1:]
     # Memory on the 24 GiB CPU machines, where each rank also holds a vLLM copy and a 1 GiB KV
-    # cache: the naive gather keeps the model 3-4 times per rank (pickled, gathered, unpickled,
-    # joined); at 150M and 4 ranks it was OOM-killed (6.3 GB on one rank). 300M runs at 2 ranks.
+    # cache: the naive baseline's check against gather_hf_tensors keeps the model 3-4 times per
+    # rank (pickled, gathered, unpickled, joined); that gather at 150M and 4 ranks was OOM-killed
+    # (6.3 GB on one rank). 300M runs at 2 ranks.
     cases += _dense_layouts("qwen3-45m", "float32")
     cases += _dense_layouts("qwen3-150m", "float32", naive_world=2)
     cases += _dense_layouts("qwen3-300m", "float32", naive_world=0, max_world=2)
@@ -285,9 +290,10 @@ class TimedEngine:
 
 
 def memcpy_floor(nbytes: int, repeats: int) -> Tuple[float, float]:
-    """Median seconds of one copy of nbytes into a fresh buffer (torch.empty + copy_: page faults
-    included, as a sync that allocates pays them too), and into a buffer already touched (memory
-    bandwidth alone; on the CPU machines 5-8x faster, so it is reported beside the floor)."""
+    """Median seconds of one copy of nbytes into a buffer already touched (memory bandwidth
+    alone: the floor), and into a fresh buffer (torch.empty + copy_, page faults included; on the
+    CPU machines 3.8-8x slower, so a floor of it would flatter the sync; reported beside it as the
+    figure the targets were judged against before issue 33)."""
     import torch
 
     source = torch.ones(nbytes, dtype=torch.uint8)
@@ -301,7 +307,7 @@ def memcpy_floor(nbytes: int, repeats: int) -> Tuple[float, float]:
         start = time.perf_counter()
         target.copy_(source)
         warm.append(time.perf_counter() - start)
-    return statistics.median(fresh), statistics.median(warm)
+    return statistics.median(warm), statistics.median(fresh)
 
 
 def _timed(fn) -> float:
@@ -361,19 +367,74 @@ def _time_syncs(chunks, arch, engine, bucket_bytes: int, repeats: int) -> dict:
     }
 
 
+def naive_hf_tensors(chunks, arch):
+    """Every full HF tensor of the model, on every rank, the way other trainers gather them for
+    a reload (verl's per_tensor_generator; slime gathers TP and EP alike): stage by stage, each
+    of a stage's tensors is broadcast over the pipeline group (ranks of one PP group share their
+    TP, EP and expert-TP ranks), its TP shards all-gathered in the TP group (expert TP for
+    experts) and joined, and each EP rank's experts all-gathered in the EP group. Only the names
+    and shapes travel as objects, once per call (verl does so per stage); no weight is pickled,
+    and data-parallel replicas send nothing. Collective: every rank yields the same
+    tensors in the same order."""
+    import torch
+    import torch.distributed as dist
+
+    from megarl.models import weight_tables
+    from megarl.models.param_layout import join_shards, weight_slots
+    from megarl.parallel_state import megatron_groups as groups
+
+    pp, tp, ep, etp = groups.pipeline(), groups.tensor(), groups.expert(), groups.expert_tensor()
+    device = groups.device()
+    mine = [(slot, tensor.detach()) for slot, tensor in weight_slots(chunks)
+            if not weight_tables.tied_output(arch, slot.canonical, "policy")]
+    # per rank: its EP group's ranks (whose experts it gathers) and its tensors' slots and shapes
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dist.get_process_group_ranks(ep.group),
+                                      [(slot, tuple(t.shape), t.dtype) for slot, t in mine]))
+    for stage, src in enumerate(dist.get_process_group_ranks(pp.group)):
+        src_ep_ranks, slots = everyone[src]
+        for i, (slot, shape, dtype) in enumerate(slots):
+            shard = mine[i][1] if stage == pp.rank else torch.empty(shape, dtype=dtype, device=device)
+            if pp.size > 1:
+                dist.broadcast(shard, src=src, group=pp.group)
+            expert = ".experts." in slot.canonical  # param_layout's rule for the expert-TP group
+            if slot.tp_dim is not None and slot.tp_size > 1:
+                parts = [torch.empty_like(shard) for _ in range(slot.tp_size)]
+                dist.all_gather(parts, shard, group=etp.group if expert else tp.group)
+                shard = join_shards(parts, slot.tp_dim, slot.glu)
+            fulls, names = [shard], [slot.canonical]
+            if expert and ep.size > 1:  # slot i of each EP rank: the same tensor of its experts
+                fulls = [torch.empty_like(shard) for _ in range(ep.size)]
+                dist.all_gather(fulls, shard, group=ep.group)
+                names = [everyone[rank][1][i][0].canonical for rank in src_ep_ranks]
+            for canonical, full in zip(names, fulls):
+                entry = weight_tables.entry_of(arch, canonical, "policy")
+                yield from weight_tables.to_hf(arch, entry, full).items()
+
+
 def _time_naive(chunks, arch, engine, repeats: int) -> Tuple[float, int]:
     """Median seconds of the gather-everything reload after one warm-up, and the bytes of the
-    full HF model it holds on every rank."""
+    full HF model it holds on every rank. The warm-up's tensors are checked against
+    hf_io.gather_hf_tensors (every rank's shards gathered as objects and joined): a baseline
+    that gathered too little would be fast for the wrong reason."""
+    import torch
+
     from megarl.models.hf_io import gather_hf_tensors
 
     held = []
 
     def naive_sync():
-        hf = gather_hf_tensors(chunks, arch)
-        held.append(sum(t.numel() * t.element_size() for t in hf.values()))
-        engine.engine.load_hf_weights(hf.items())
+        hf = list(naive_hf_tensors(chunks, arch))
+        held.append(sum(t.numel() * t.element_size() for _, t in hf))
+        engine.engine.load_hf_weights(hf)
+        return hf
 
-    naive_sync()
+    gathered = dict(naive_sync())
+    reference = gather_hf_tensors(chunks, arch)
+    wrong = sorted(set(reference) ^ set(gathered)) or [
+        name for name, tensor in reference.items() if not torch.equal(gathered[name].cpu(), tensor)]
+    if wrong:
+        raise RuntimeError(f"the naive baseline's tensors differ from gather_hf_tensors' at {wrong[:5]}")
     return statistics.median([_timed(naive_sync) for _ in range(repeats)]), held[-1]
 
 
@@ -423,9 +484,10 @@ def worker(args) -> None:
     if dist.get_rank() == 0:  # alone: the others wait in the barrier. More repeats: it is cheap.
         floor[:] = torch.tensor(memcpy_floor(result["model_bytes"], max(9, args.repeats)))
     dist.broadcast(floor, src=0)
-    result.update(floor_seconds=round(float(floor[0]), 4), floor_threads=torch.get_num_threads(),
-                  memcpy_warm_seconds=round(float(floor[1]), 4),
+    result.update(floor_seconds=round(float(floor[0]), 5), floor_threads=torch.get_num_threads(),
                   ratio_to_floor=round(result["sync_seconds"] / float(floor[0]), 2),
+                  memcpy_fresh_seconds=round(float(floor[1]), 5),
+                  ratio_to_fresh_copy=round(result["sync_seconds"] / float(floor[1]), 2),
                   naive_seconds=None, naive_extra_bytes=None, speedup_over_naive=None)
     if args.naive:
         naive, held = _time_naive(chunks, arch, engine, max(1, args.repeats // 2))

@@ -105,8 +105,12 @@ def main():
               "model_bytes": report.model_bytes, "samples": len(samples),
               # per rank, in rank order
               **{key: [r[key] for r in ranks] for key in (
-                  "bytes_received", "bytes_sent", "shard_bytes", "messages", "peak_extra_bytes",
-                  "measured_peak_bytes", "largest_tensor_bytes")}}
+                  "bytes_received", "bytes_sent", "local_bytes", "shard_bytes", "messages",
+                  "messages_received", "peak_extra_bytes", "measured_peak_bytes",
+                  "largest_tensor_bytes")},
+              # per rank: [peer, dtype, bytes] as its transport counted them
+              **{key: [sorted([peer, dtype, n] for (peer, dtype), n in r[key].items()) for r in ranks]
+                 for key in ("received_from", "sent_to")}}
     if args.routing:
         result["routing"] = verify.routing_replay_report(chunks, arch, samples)
         # what the engine's MoE gates compute in (fp32 unless --no-router-fp32)

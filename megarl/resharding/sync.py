@@ -31,10 +31,17 @@ class SyncReport:
     params_expected: int      # engine parameters that exist
     buckets: int
     sync_seconds: float
+    # Counted by the transport as it posts each message (transport.Traffic), not from the plan:
     bytes_received: int       # this rank, from other ranks
     bytes_sent: int           # this rank, to other ranks
-    shard_bytes: int          # this rank's engine shard: what it must end up holding
-    messages: int             # point-to-point sends by this rank
+    local_bytes: int          # this rank, from its own parameters into its engine (no message)
+    messages: int             # point-to-point sends posted by this rank
+    messages_received: int    # point-to-point receives posted by this rank
+    received_from: Dict[Tuple[int, str], int]  # (peer, dtype) -> bytes received from it
+    sent_to: Dict[Tuple[int, str], int]        # (peer, dtype) -> bytes sent to it
+    # Planned:
+    shard_bytes: int          # this rank's engine shard: what it must end up holding (a correct
+                              # transport moves local_bytes + bytes_received == shard_bytes)
     peak_extra_bytes: int     # planned: most memory the sync allocated at once on this rank
                               # (send and receive buffers, plus the opened engine tensors)
     measured_peak_bytes: int  # measured: this rank's peak extra memory during the sync, the
@@ -79,7 +86,7 @@ def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightD
     plan = build_plan(pieces, tuple(sorted(layout.items())), bucket_bytes, node_of_ranks(links.size),
                       engines)
     with device_memory.measured() as measured:  # the engine's finishing work (repacking) too
-        peak, messages = _stream(plan, engine, local, links)
+        peak, traffic = _stream(plan, engine, local, links)
         report = check_update(engine.finish_weight_update())
     module_bytes: Dict[str, int] = {}
     for tensor in plan.tensors.get(rank, ()):
@@ -87,20 +94,23 @@ def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightD
     itemsize = torch.empty((), dtype=arch.torch_dtype).element_size()
     return SyncReport(params_synced=report.params_loaded, params_expected=report.params_expected,
                       buckets=len(plan.buckets), sync_seconds=time.perf_counter() - start,
-                      bytes_received=plan.received(rank), bytes_sent=plan.sent(rank),
-                      shard_bytes=plan.shard_bytes(rank), messages=messages,
+                      bytes_received=sum(traffic.received.values()), bytes_sent=sum(traffic.sent.values()),
+                      local_bytes=traffic.local_bytes, messages=traffic.messages_sent,
+                      messages_received=traffic.messages_received, received_from=traffic.received,
+                      sent_to=traffic.sent, shard_bytes=plan.shard_bytes(rank),
                       peak_extra_bytes=peak, measured_peak_bytes=measured.extra_bytes,
                       model_bytes=metadata.model_bytes(pieces),
                       largest_tensor_bytes=max(module_bytes.values(), default=0) * itemsize)
 
 
 def _stream(plan: Plan, engine: WeightDestination, local: Dict[Tuple[str, int], torch.Tensor],
-            links: Links) -> Tuple[int, int]:
-    """Every bucket into the engine, in plan order; returns (planned peak extra bytes, messages)."""
+            links: Links) -> Tuple[int, transport.Traffic]:
+    """Every bucket into the engine, in plan order; returns (planned peak extra bytes, what the
+    transport moved)."""
     rank = links.rank
     mine = {t.name: t for t in plan.tensors.get(rank, ())}
     engine.begin_weight_update({name: t.shape for name, t in mine.items()})
-    peak = messages = 0
+    peak, traffic = 0, transport.Traffic()
     for bucket, rounds in zip(plan.buckets, plan.rank_work(rank)):
         modules = set(bucket.modules.get(rank, ()))
         names = [name for name, t in mine.items() if t.module in modules]
@@ -109,8 +119,8 @@ def _stream(plan: Plan, engine: WeightDestination, local: Dict[Tuple[str, int], 
             if mine[name].covered < mine[name].numel:  # padding rows nothing writes
                 targets[name].zero_()
         opened = sum(t.numel() * t.element_size() for t in targets.values())
-        buffers, sent = transport.exchange(rounds, links, local, targets)
+        buffers = transport.exchange(rounds, links, local, targets, traffic)
         del targets
         engine.close_tensors(names)
-        peak, messages = max(peak, opened + buffers), messages + sent
-    return peak, messages
+        peak = max(peak, opened + buffers)
+    return peak, traffic

@@ -7,15 +7,18 @@ sync's Links (the training world, or the trainer-rollout bridge: parallel_state/
 Copies whose source and destination are the same rank, and unpacking, are written as one
 batched copy per round (torch._foreach_copy_), not one call per slab. Each rank runs only its
 own share of the plan (Plan.rank_work). Memory in flight: this rank's buffers of one round
-(plan.py keeps them within the bucket size).
+(plan.py keeps them within the bucket size). What moves is counted here, message by message as
+it is posted (Traffic), not read back from the plan: the sync reports these counts, and the tests
+hold them against the planner's (tests/test_plan_sync.py).
 """
 
-from typing import Dict, List, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from megarl.models.hf_config import DTYPES
-from megarl.parallel_state.links import Links
+from megarl.parallel_state.links import Links, Transfer
 from megarl.resharding.plan import Copy
 
 _DTYPES = {str(dtype): dtype for dtype in DTYPES.values()}  # Piece.dtype -> torch.dtype
@@ -32,15 +35,36 @@ def _target(copy: Copy, targets: Dict[str, torch.Tensor]) -> torch.Tensor:
     return tensor.narrow(copy.dim, copy.dst_start, copy.length)
 
 
+@dataclass
+class Traffic:
+    """What this rank's transport moved: bytes per (peer, dtype) each way and messages each way,
+    added up per message as the messages are posted (a message's bytes are its tensor's, so a
+    duplicate or oversized message shows), and the bytes it copied between its own tensors
+    (counted per local copy: those are no messages)."""
+    sent: Dict[Tuple[int, str], int] = field(default_factory=dict)      # (peer, dtype) -> bytes
+    received: Dict[Tuple[int, str], int] = field(default_factory=dict)  # (peer, dtype) -> bytes
+    messages_sent: int = 0
+    messages_received: int = 0
+    local_bytes: int = 0
+
+    def post(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
+        for counts, transfers in ((self.sent, sends), (self.received, recvs)):
+            for tensor, peer in transfers:
+                key = (peer, str(tensor.dtype))
+                counts[key] = counts.get(key, 0) + tensor.numel() * tensor.element_size()
+        self.messages_sent += len(sends)
+        self.messages_received += len(recvs)
+
+
 def exchange(rounds: Tuple[Tuple[Copy, ...], ...], links: Links, local: Dict[Tuple[str, int], torch.Tensor],
-             targets: Dict[str, torch.Tensor]) -> Tuple[int, int]:
+             targets: Dict[str, torch.Tensor], traffic: Traffic) -> int:
     """Fill this rank's `targets` with its copies of one bucket (`Plan.rank_work(rank)[bucket]`),
-    round by round; returns (most bytes of buffers allocated at once, messages this rank sent)."""
-    peak = messages = 0
+    round by round, adding what it moves to `traffic`; returns the most bytes of buffers
+    allocated at once."""
+    peak = 0
     for copies in rounds:
-        allocated, sent = _exchange_round(copies, links, local, targets)
-        peak, messages = max(peak, allocated), messages + sent
-    return peak, messages
+        peak = max(peak, _exchange_round(copies, links, local, targets, traffic))
+    return peak
 
 
 def _copy_all(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -51,14 +75,18 @@ def _copy_all(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def _exchange_round(round_copies: Tuple[Copy, ...], links: Links,
                     local: Dict[Tuple[str, int], torch.Tensor],
-                    targets: Dict[str, torch.Tensor]) -> Tuple[int, int]:
+                    targets: Dict[str, torch.Tensor], traffic: Traffic) -> int:
+    """One round: returns the bytes of the buffers it allocated."""
     rank, device = links.rank, links.device
+    local_bytes = 0
     sends: Dict[Tuple[int, str], List[Copy]] = {}
     recvs: Dict[Tuple[int, str], List[Copy]] = {}
     outgoing, incoming, received, staged, writes = [], [], [], [], []
     for copy in round_copies:
         if copy.src == rank == copy.dst:
-            writes.append((_target(copy, targets), _source(copy, local)))
+            source = _source(copy, local)
+            writes.append((_target(copy, targets), source))
+            local_bytes += source.numel() * source.element_size()
         elif copy.src == rank and copy.direct:
             outgoing.append((_source(copy, local), copy.dst))
         elif copy.dst == rank and copy.direct:
@@ -72,8 +100,9 @@ def _exchange_round(round_copies: Tuple[Copy, ...], links: Links,
         elif copy.dst == rank:
             recvs.setdefault((copy.src, copy.dtype), []).append(copy)
     _copy_all(writes)
+    traffic.local_bytes += local_bytes
     if not outgoing and not incoming and not sends and not recvs:
-        return 0, 0
+        return 0
     allocated = sum(buffer.numel() * buffer.element_size() for _, buffer in staged)
     for (peer, _), copies in sends.items():
         flat = torch.cat([_source(c, local).reshape(-1) for c in copies])
@@ -84,6 +113,7 @@ def _exchange_round(round_copies: Tuple[Copy, ...], links: Links,
         incoming.append((flat, peer))
         received.append((copies, flat))
         allocated += flat.numel() * flat.element_size()
+    traffic.post(outgoing, incoming)
     links.exchange(outgoing, incoming)
     writes = list(staged)
     for copies, flat in received:
@@ -91,4 +121,4 @@ def _exchange_round(round_copies: Tuple[Copy, ...], links: Links,
             target = _target(copy, targets)
             writes.append((target, part.view(target.shape)))
     _copy_all(writes)
-    return allocated, len(outgoing)
+    return allocated
