@@ -1,9 +1,16 @@
-"""The vLLM engine's generate honours the sampling parameters (real vLLM, tiny model)."""
+"""The vLLM engine's generate honours the sampling parameters (real vLLM, tiny model); every
+sample of a run is seeded apart."""
+
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
-from megarl.rollout.engine import SamplingConfig
+from megarl.rollout.engine import Placement, SamplingConfig, sample_seed
 from megarl.rollout.vllm_engine import rollout_groups
+from megarl.trainer.config import RunConfig
+from megarl.trainer.rollout_source import step_sampling
+from megarl.trainer.typed_config import load
 from tests.launch import last_json, run
 
 
@@ -17,6 +24,28 @@ def test_sampling_parameters_reach_vllm(hf_models):
     first_stop = seen["greedy_first"].index(seen["stop_token"])
     assert seen["stopped"] == seen["greedy_first"][:first_stop + 1]
     assert seen["stopped_reason"] == "stop"
+    first, second = seen["twin_responses"]
+    assert first != second and second == seen["second_alone"], seen
+
+
+def test_every_sample_of_every_draw_has_its_own_seed():
+    """One seed per sample across prompts, rounds and steps, and the same seeds whichever engine
+    of a colocated job serves a prompt (collect.py offsets a share by its first prompt)."""
+    config = load(RunConfig, "configs/demo_cpu.yaml", ["algo.dynamic_sampling_rounds=2"])
+    tokenizer = SimpleNamespace(eos_token_id=0)
+    prompts, n = config.data.prompts_per_step, config.generation.samples_per_prompt
+    seeds = [sample_seed(step_sampling(config, tokenizer, step, round_), p, j)
+             for step in range(1, 5) for round_ in range(3) for p in range(prompts) for j in range(n)]
+    assert len(set(seeds)) == len(seeds)
+    draw = step_sampling(config, tokenizer, 3)
+    for engines in (1, 2, 3, 5):
+        served = []
+        for rank in range(engines):
+            mine = Placement(engines, rank, True).share(prompts)
+            if mine:
+                share = replace(draw, seed=sample_seed(draw, mine[0], 0))
+                served += [(i, sample_seed(share, p, j)) for p, i in enumerate(mine) for j in range(n)]
+        assert served == [(i, sample_seed(draw, i, j)) for i in range(prompts) for j in range(n)], engines
 
 
 @pytest.mark.parametrize("kwargs,message", [

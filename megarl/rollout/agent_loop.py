@@ -33,7 +33,7 @@ import torch
 
 from megarl.plugins.worker_pool import Result, WorkerPool
 from megarl.rollout.chat_insert import first_prompt_ids, inserted_ids
-from megarl.rollout.engine import RolloutSample, SamplingConfig
+from megarl.rollout.engine import RolloutSample, SamplingConfig, sample_seed
 from megarl.rollout.prompts import Prompt
 from megarl.rollout.tool_calls import ParsedTurn, load_parser
 from megarl.rollout.tools import load_tool, loaded_tools
@@ -114,7 +114,7 @@ class AgentLoop:
             use_tools = bool(self.tools) and uses_tools(prompt.extra_info.get("agent_name"))
             opening = first_prompt_ids(self.tokenizer, prompt.messages, self.schemas if use_tools else None)
             for j in range(sampling.n):
-                seed = None if sampling.seed is None else sampling.seed + j
+                seed = sample_seed(sampling, index, j)
                 conversations.append(_Conversation(prompt, index, replace(sampling, n=1, seed=seed), opening,
                                                    list(prompt.messages), use_tools))
         live: Dict[str, _Conversation] = {}  # engine request -> its conversation

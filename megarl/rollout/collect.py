@@ -6,7 +6,7 @@ and laying samples out as right-padded rows with the rollout log-probs aligned t
 Does not own generation (the engine, the producer) or what a reward means (megarl/rewards).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List
 
 import torch
@@ -16,7 +16,7 @@ from megarl.algos.shaping import informative_groups
 from megarl.batch.rollout_batch import RolloutBatch
 from megarl.rewards.functions import Request
 from megarl.rewards.scorer import Scorer
-from megarl.rollout.engine import RolloutEngine, RolloutSample, SamplingConfig
+from megarl.rollout.engine import RolloutEngine, RolloutSample, SamplingConfig, sample_seed
 from megarl.rollout.producer import SampleProducer
 from megarl.rollout.prompts import Prompt
 
@@ -37,6 +37,8 @@ def _all_samples(engine: RolloutEngine, producer: SampleProducer, prompts: List[
                  sampling: SamplingConfig) -> List[RolloutSample]:
     """Every engine's samples on every rank, ordered by global prompt index."""
     mine = engine.placement.share(len(prompts))
+    if mine and sampling.seed is not None:  # the share's seeds are the draw's (engine.sample_seed)
+        sampling = replace(sampling, seed=sample_seed(sampling, mine[0], 0))
     samples = producer.produce(engine, [prompts[i] for i in mine], sampling) if mine else []
     for sample in samples:
         sample.prompt_index = mine[sample.prompt_index]

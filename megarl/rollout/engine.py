@@ -63,8 +63,18 @@ class Placement:
     leader: bool
 
     def share(self, count: int) -> List[int]:
-        """Indices of the `count` prompts this rank's engine serves (round robin)."""
-        return list(range(self.engine_rank, count, self.engines))
+        """Indices of the `count` prompts this rank's engine serves: a contiguous block, so its
+        prompts' seeds are the draw's (sample_seed, offset by the block's first prompt)."""
+        size = -(-count // self.engines)
+        return list(range(self.engine_rank * size, min(count, (self.engine_rank + 1) * size)))
+
+
+def sample_seed(sampling: SamplingConfig, prompt: int, sample: int) -> Optional[int]:
+    """The seed of sample `sample` of the `prompt`-th prompt of a draw (None: unseeded). Every sample
+    of a draw gets its own seed, as vLLM gives an n-sample request seeded s the seeds s, s+1, ...:
+    two prompts sharing seeds would share their random streams, and draw their samples in step (one
+    seed per prompt and a seed per step made the demo's tool calls drift with frozen weights)."""
+    return None if sampling.seed is None else sampling.seed + prompt * sampling.n + sample
 
 
 @dataclass

@@ -2,8 +2,9 @@
 token stamped with the policy version that produced it, requests interrupted at a weight update.
 
 A draw is the prompts of one training step, `sampling.n` samples each; every sample is its own
-request (n=1, seed + its index: the seeds vLLM gives the samples of one n-sample request, so a
-draw generated without interruption samples exactly what engine.generate samples). At a weight
+request (n=1, seeded by engine.sample_seed: the seeds engine.generate's one request per prompt
+gives its n samples, so a draw generated without interruption samples exactly what
+engine.generate samples). At a weight
 update every unfinished request is aborted and resubmitted: "continue" keeps the tokens so far
 (prompt + partial response go in again, the prefix is recomputed with the new weights, and only
 the remaining budget is generated), "restart" drops them and samples the whole response again.
@@ -20,7 +21,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megarl.rollout.engine import Progress, RolloutSample, SamplingConfig, StreamingEngine
+from megarl.rollout.engine import Progress, RolloutSample, SamplingConfig, StreamingEngine, sample_seed
 
 INTERRUPTS = ("continue", "restart")
 _RESEED = 1_000_003  # a continued request's seed moves on, so it does not replay its first draws
@@ -62,7 +63,7 @@ class StreamingRollout:
         samples = []
         for index, prompt_ids in enumerate(prompts):
             for j in range(sampling.n):
-                seed = None if sampling.seed is None else sampling.seed + j
+                seed = sample_seed(sampling, index, j)
                 samples.append(_Partial(draw, index, list(prompt_ids), replace(sampling, n=1, seed=seed)))
         self._draws[draw] = samples
         for sample in samples:

@@ -12,6 +12,7 @@ reading the checkpoint.
 """
 
 import os
+from dataclasses import replace
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -26,6 +27,7 @@ from megarl.rollout.engine import (
     SamplingConfig,
     WeightLayout,
     WeightUpdateReport,
+    sample_seed,
 )
 from megarl.rollout.vllm_routing import RoutingCapture, routing_of
 from megarl.rollout.vllm_weights import InPlaceWriter
@@ -112,7 +114,8 @@ class VLLMEngine:
         self._require_awake("generate", ["weights", "kv_cache"])
         from vllm.inputs import TokensPrompt
 
-        params = _params(sampling)
+        # one request per prompt, each seeded apart (sample_seed): vLLM seeds its n samples from it
+        params = [_params(replace(sampling, seed=sample_seed(sampling, p, 0))) for p in range(len(prompts))]
         if self._routing is not None:
             self._routing.start()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],

@@ -51,7 +51,9 @@ def step_sampling(config: RunConfig, tokenizer, number: int, round_: int = 0) ->
     """How step `number` samples (its `round_`-th round with dynamic sampling): its seed is fixed
     by the step, so a resumed run, or another rollout source, samples the same."""
     gen = config.generation
-    seed = config.seed + number * (config.algo.dynamic_sampling_rounds + 1) + round_
+    # Every sample of every round of every step its own seed (engine.sample_seed spans a draw).
+    draw = number * (config.algo.dynamic_sampling_rounds + 1) + round_
+    seed = config.seed + draw * config.data.prompts_per_step * gen.samples_per_prompt
     return SamplingConfig(n=gen.samples_per_prompt, temperature=gen.temperature, top_p=gen.top_p,
                           max_new_tokens=gen.max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,),
                           seed=seed)

@@ -23,7 +23,13 @@ def main():
                                                       max_new_tokens=5, seed=7))
     resampled = engine.generate(prompts, SamplingConfig(n=3, temperature=1.0, top_p=0.9, top_k=20,
                                                         max_new_tokens=5, seed=7))
+    # The same prompt twice in one draw: each copy has seeds of its own (engine.sample_seed), so
+    # its samples are its own; the second copy's equal a request of its own seeded past the first's.
+    twins = engine.generate([[5, 6, 7], [5, 6, 7]], SamplingConfig(n=2, max_new_tokens=12, seed=3))
+    second = engine.generate([[5, 6, 7]], SamplingConfig(n=2, max_new_tokens=12, seed=3 + 2))
     print(json.dumps({
+        "twin_responses": [[s.response_ids for s in twins if s.prompt_index == i] for i in range(2)],
+        "second_alone": [s.response_ids for s in second],
         "greedy_repeatable": [s.response_ids for s in first] == [s.response_ids for s in again],
         "greedy_lengths": [len(s.response_ids) for s in first],
         "logprob_lengths_match": all(len(s.logprobs) == len(s.response_ids) for s in sampled),
