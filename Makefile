@@ -66,6 +66,7 @@ bench: install
 	@$(BIN)/python bench/bench_async.py --quick
 	@$(BIN)/python bench/bench_rewards.py --quick
 	@$(BIN)/python bench/bench_agent.py --quick
+	@$(BIN)/python bench/bench_memory.py --quick
 
 # The CPU demo: the task's inputs (a tiny Qwen3-MoE warm-started on small additions, its Megatron
 # conversion, the prompts) in runs/demo_inputs, then PPO (GAE + critic) at EP2 on Ray with vLLM

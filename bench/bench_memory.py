@@ -18,11 +18,13 @@ the two cases' log-probs, entropies and gradients where both ran.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -42,6 +44,15 @@ def _full_width(logits, targets):
     return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
+@contextlib.contextmanager
+def _cuda_window():
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    memory = SimpleNamespace(extra_bytes=0)
+    yield memory
+    memory.extra_bytes = torch.cuda.max_memory_allocated() - start
+
+
 def run_case(args) -> dict:
     from megarl.algos.vocab_parallel import logprobs_and_entropy
     from megarl.parallel_state import device_memory
@@ -54,7 +65,10 @@ def run_case(args) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    with device_memory.measured() as memory:
+    # On CUDA the allocator's own peak: device_memory would ask for megarl's GPU path (Transformer
+    # Engine), which a bare torch + CUDA machine lacks.
+    window = _cuda_window() if device.type == "cuda" else device_memory.measured()
+    with window as memory:
         logprob, entropy = fn(logits, targets)
         ((weights[0] * logprob).sum() + (weights[1] * entropy).sum()).backward()
         sync()

@@ -1,6 +1,6 @@
 """megarl's rollout generation against bare vLLM: the same prompts, sampling parameters and weights.
 
-  python bench/bench_rollout.py [--quick] [--profile]
+  python bench/bench_rollout.py [--quick | --smoke] [--profile]
 
 Builds megarl's VLLMEngine on a tiny random Qwen3 checkpoint whose vocabulary is the demo task's
 sentencepiece tokenizer (megarl/demo/arithmetic_task.py), then times, interleaved and
@@ -42,7 +42,7 @@ def make_inputs(out_dir: str, prompts: int, seed: int):
 
     from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer
     from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
-    from megarl.rollout.prompts import Prompt, render
+    from megarl.rollout.prompts import Prompt, RecordKeys, render
 
     records = arithmetic_records(2000, max_operand=99, seed=seed)
     train_tokenizer(records, out_dir)
@@ -55,7 +55,7 @@ def make_inputs(out_dir: str, prompts: int, seed: int):
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     chosen = []
     for record in records[:prompts]:
-        text = render(record, tokenizer, "prompt")
+        _, text = render(record, tokenizer, RecordKeys(), "bench_rollout's prompts")
         chosen.append(Prompt(text, tokenizer.encode(text, add_special_tokens=False), record["answer"]))
     return tokenizer, chosen
 
@@ -117,13 +117,16 @@ def profile_generate(generate) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer prompts, tokens and repeats")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest size, to check the bench runs (tests/test_bench_smoke.py)")
     parser.add_argument("--profile", action="store_true", help="cProfile one megarl generate (stderr)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--inputs", default=os.path.join(ROOT, "runs", "bench_rollout"),
                         help="where the tokenizer and model are made (afresh on every run)")
     args = parser.parse_args()
     out = json_stdout()
-    prompts_count, n, max_new, repeats = (16, 4, 64, 5) if args.quick else (64, 8, 128, 5)
+    prompts_count, n, max_new, repeats = ((4, 2, 16, 2) if args.smoke else (16, 4, 64, 5) if args.quick
+                                          else (64, 8, 128, 5))
 
     import torch
     from vllm import SamplingParams
@@ -151,8 +154,10 @@ def main():
     inside_vllm = time_inside_vllm(engine.llm)  # megarl's calls reach vLLM through the wrapper
 
     def bare():  # a vLLM user builds the parameters and prompts on every call too
-        params = SamplingParams(n=n, temperature=1.0, max_tokens=max_new,
-                                stop_token_ids=[tokenizer.eos_token_id], seed=args.seed, logprobs=0)
+        # seeded per prompt as megarl seeds them (engine.sample_seed), so both sample the same
+        params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_new,
+                                 stop_token_ids=[tokenizer.eos_token_id], seed=args.seed + p * n, logprobs=0)
+                  for p in range(len(token_ids))]
         return vllm_generate([TokensPrompt(prompt_token_ids=p) for p in token_ids], params,
                              use_tqdm=False)
 

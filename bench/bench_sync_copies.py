@@ -8,9 +8,14 @@ bytes, can set the sync's time. This times transport._exchange_round on a world 
 round of local copies, each a gate or up slab of one expert into vLLM's fused `w13` (the shape
 a TP8 engine takes of Qwen3-MoE experts, scaled down), against one `copy_` per slab (what the
 transport did before it batched a round's writes) and against building the views alone (the
-part no batching removes). Prints one JSON object: microseconds per Copy for each. With
---device cuda the tensors live on the GPU and each timing ends with a synchronize, so a Copy's
-time is its host work plus its share of the kernels.
+part no batching removes). Prints one JSON object: microseconds per Copy for each; and the two
+bandwidths the planner's --hbm-gbps stands for: packing a send buffer (the transport's torch.cat
+of the same slabs) and one plain warm copy of --copy-mib MiB. With --device cuda the tensors live
+on the GPU and each timing ends with a synchronize, so a Copy's time is its host work plus its
+share of the kernels. The GPU figures in docs/PERFORMANCE.md (a Qwen3-30B-A3B TP8 rank's slabs,
+and DeepSeek-V3-sized ones):
+  python bench/bench_sync_copies.py --device cuda --experts 128 --hidden 2048 --width 768
+  python bench/bench_sync_copies.py --device cuda --experts 64 --hidden 7168 --width 2048
 """
 
 import argparse
@@ -53,7 +58,8 @@ def _copies(experts: int, width: int, hidden: int, tp: int, dtype: torch.dtype, 
     return copies, local, targets
 
 
-def _per_copy_us(run, copies, repeats: int, device: torch.device) -> float:
+def _seconds(run, repeats: int, device: torch.device) -> float:
+    """Median seconds of one call of `run`."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -61,7 +67,11 @@ def _per_copy_us(run, copies, repeats: int, device: torch.device) -> float:
         if device.type == "cuda":  # the kernels, not only their launches
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times) / len(copies) * 1e6
+    return statistics.median(times)
+
+
+def _per_copy_us(run, copies, repeats: int, device: torch.device) -> float:
+    return _seconds(run, repeats, device) / len(copies) * 1e6
 
 
 def main() -> None:
@@ -72,6 +82,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--width", type=int, default=192, help="expert width (intermediate size)")
+    parser.add_argument("--copy-mib", type=int, default=1024, help="the plain copy's size (quick: 64)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one rank's share of the host
     device = _device(args.device)
@@ -100,12 +111,22 @@ def main() -> None:
     assert torch.equal(targets["w13"], expected), "the batched round wrote the wrong slabs"
     assert traffic.local_bytes == targets["w13"].numel() * targets["w13"].element_size(), \
         f"the transport counted {traffic.local_bytes} local bytes for the {targets['w13'].nbytes} it wrote"
+    slab_bytes = sum(c.nbytes for c in copies)
+    copy_bytes = (64 if args.quick else args.copy_mib) * 2**20
+    plain = torch.ones(copy_bytes // 2, dtype=torch.bfloat16, device=device)
+    into = torch.zeros_like(plain)  # written once before timing: no first-touch page faults
+
+    def pack():
+        return torch.cat([transport._source(c, local).reshape(-1) for c in copies])
+
     print(json.dumps({
         "bench": "sync_copies", "device": str(device), "copies": len(copies),
         "slab_bytes": copies[0].nbytes,
         "batched_us_per_copy": _per_copy_us(batched, copies, repeats, device),
         "one_copy_each_us_per_copy": _per_copy_us(one_each, copies, repeats, device),
         "views_only_us_per_copy": _per_copy_us(views, copies, repeats, device),
+        "pack_GBps": slab_bytes / _seconds(pack, repeats, device) / 1e9,
+        "plain_copy_GBps": copy_bytes / _seconds(lambda: into.copy_(plain), repeats, device) / 1e9,
         "threads": torch.get_num_threads()}))
 
 if __name__ == "__main__":

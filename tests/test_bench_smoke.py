@@ -1,0 +1,117 @@
+"""Every benchmark `make bench` runs, at its smallest size, started as a user starts it: a bench
+that no longer runs, or whose own checks fail, fails here (issue 33: `make bench` broke and
+nothing saw it). Each test reads the bench's JSON lines and checks what they must say whatever
+the machine's load: the cases are there, the work was done and checked. The sizes are chosen for
+time, not for figures, so targets and ratios are not asserted (docs/PERFORMANCE.md has them)."""
+
+import json
+import re
+
+from tests.launch import ROOT, run
+
+
+def _json_lines(*args, timeout: int = 600) -> list:
+    proc = run(*args, timeout=timeout)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no JSON line on stdout:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return lines
+
+
+def _by_case(lines: list, key: str = "case") -> dict:
+    return {line[key]: line for line in lines}
+
+
+SMOKED = {"bench_sync", "bench_sync_copies", "bench_rollout", "bench_train", "bench_step", "bench_async",
+          "bench_rewards", "bench_agent", "bench_memory"}
+
+
+def test_every_bench_make_bench_runs_is_smoked_here():
+    with open(f"{ROOT}/Makefile") as f:
+        target = f.read().split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    assert set(re.findall(r"bench/(bench_\w+)\.py", target)) == SMOKED
+
+
+def test_bench_sync(tmp_path):
+    case = "qwen3-20m-float32-w2-tp2-rtp2"  # 2 ranks, the smallest model, the log-prob check on
+    lines = _json_lines("bench/bench_sync.py", "--quick", "--only", case, "--repeats", "1",
+                        "--out", str(tmp_path))
+    result, summary = lines
+    assert result["case"] == case and "error" not in result, result
+    assert result["sync_seconds"] > 0 and result["naive_seconds"] > 0, result
+    assert result["max_abs_logprob_diff"] <= 1e-4, result  # the actor was perturbed: only a sync matches
+    assert summary["summary"] and summary["cases"] == 1 and summary["failed"] == [], summary
+
+
+def test_bench_sync_copies():
+    (result,) = _json_lines("bench/bench_sync_copies.py", "--quick", "--experts", "8")
+    assert result["copies"] == 2 * 8, result  # a gate and an up slab per expert
+    for key in ("batched_us_per_copy", "one_copy_each_us_per_copy", "views_only_us_per_copy"):
+        assert result[key] > 0, result
+
+
+def test_bench_rollout(tmp_path):
+    cases = _by_case(_json_lines("bench/bench_rollout.py", "--smoke", "--inputs", str(tmp_path)))
+    assert set(cases) == {"rollout_generate_vs_bare", "rollout_collect_vs_bare"}
+    for result in cases.values():
+        assert result["same_tokens"] and result["tokens_generated"] > 0, result
+        assert 0 <= result["own_share"] < 1 and result["bare_seconds"] > 0, result
+
+
+def test_bench_train(tmp_path):
+    cases = _by_case(_json_lines("bench/bench_train.py", "--quick", "--hidden", "128", "--layers", "1",
+                                 "--vocab", "512", "--seq-len", "64", "--sequences", "4", "--repeats", "1",
+                                 "--inputs", str(tmp_path)))
+    assert set(cases) == {"actor_update_vs_bare", "packed_vs_padded"}
+    assert cases["actor_update_vs_bare"]["tokens"] > 0
+    packed = cases["packed_vs_padded"]
+    assert 0 < packed["useful_tokens"] < packed["padded_tokens"], packed  # lengths are spread
+    assert packed["packed_seconds"] > 0 and packed["padded_seconds"] > 0, packed
+
+
+def test_bench_step(demo_inputs, tmp_path):
+    (result,) = _json_lines("bench/bench_step.py", "--steps", "2", "--inputs", str(demo_inputs),
+                            "--run-dir", str(tmp_path / "run"), timeout=900)
+    assert result["steps_measured"] == 1, result  # the first step (vLLM's warm-up) is left out
+    assert {"generate", "sync"} <= set(result["phase_seconds"]), result
+    assert 0 < result["sync_share"] < 1 and result["tokens_per_s"] > 0, result
+
+
+def test_bench_async(tmp_path):
+    (result,) = _json_lines("bench/bench_async.py", "--steps", "2", "--prompts-per-step", "2",
+                            "--max-new-tokens", "16", "--out", str(tmp_path), timeout=900)
+    for placement in ("sync", "async"):
+        assert result[placement]["steps_measured"] == 1 and result[placement]["tokens_per_s"] > 0, result
+    assert result["async"]["rollout_generate_s"] > 0, result  # the rollout rank generated
+    assert result["speedup"] > 0, result
+
+
+def test_bench_rewards():
+    cases = _by_case(_json_lines("bench/bench_rewards.py", "--samples", "16", "--workers", "4", "--timeout-s",
+                                 "1", "--math-samples", "32", "--math-workers", "2"))
+    sleep, math = cases["sleep"], cases["math"]
+    # Sleeping functions overlap in the pool whatever the load: 4 workers on 0.2 s sleeps.
+    assert sleep["speedup"] > 2, sleep
+    assert sleep["hang_timeouts"] == 1 and sleep["hang_rewards"] == [0.0] + [1.0] * 7, sleep
+    assert math["scored_right"] == math["answers_right"] == 16, math  # half the answers are right
+    assert math["speedup_ceiling"] == min(2, math["cores"]) and math["pooled_s"] > 0, math
+
+
+def test_bench_agent():
+    cases = _by_case(_json_lines("bench/bench_agent.py", "--conversations", "4", "--python-conversations",
+                                 "4", "--python-turns", "2", timeout=900))
+    env, tools = cases["slow_env"], cases["python"]
+    assert env["conversations"] == 4 and env["turns_total"] >= 4, env
+    # Neither mode can beat the environment's own seconds.
+    assert env["in_flight_s"] >= env["in_flight_floor_s"], env
+    assert env["lockstep_s"] >= env["lockstep_floor_s"], env
+    assert tools["tool_calls"] == 4 and tools["tool_seconds_serial"] > 0, tools
+    assert tools["in_flight_s"] > 0 and tools["lockstep_s"] > 0, tools
+
+
+def test_bench_memory():
+    cases = _by_case(_json_lines("bench/bench_memory.py", "--tokens", "512", "--vocab", "2048", "--dtype",
+                                 "float32"))
+    assert {"chunked", "full"} <= set(cases) and "skipped" not in cases["full"], cases
+    # the chunked path computes what the full-width one does, gradients included
+    diffs = {k: v for k, v in cases["chunked_vs_full"].items() if k.startswith("max_abs_diff_")}
+    assert len(diffs) == 3 and max(diffs.values()) <= 1e-5, diffs
