@@ -1,7 +1,7 @@
 """torchrun worker: the converter scripts' own conversions (scripts/convert_hf_to_megatron.py,
 scripts/convert_megatron_to_hf.py) and the run's live HF export for several checkpoints in one
-launch: starting a launch costs more here than converting a tiny model. Each job's line is printed
-before it runs, so a failure's output names the job; rank 0 prints each job's notes after it.
+launch: starting a launch costs more here than converting a tiny model. Rank 0 prints each job's
+line before it runs, so a failure's output names the job, and its notes after it.
 
   python tests/workers/convert_models.py --jobs '[["hf_to_megatron", IN, OUT], ...]'
 
@@ -12,6 +12,8 @@ run (megarl.resharding.hf_export), HF being the run's model.hf_dir.
 
 import argparse
 import json
+import os
+import sys
 
 from megarl.models import checkpoint
 from megarl.models.builder import build_model
@@ -38,16 +40,24 @@ def live_export(megatron_dir: str, hf_dir: str, out_dir: str) -> dict:
 DIRECTIONS = {"hf_to_megatron": hf_to_megatron, "megatron_to_hf": megatron_to_hf, "export_hf": live_export}
 
 
+def _line(rank0: bool, record: dict) -> None:
+    """Rank 0 only, text and newline in one write: the ranks share one pipe, and an unbuffered
+    print writes the newline apart, so another rank's line could land between them."""
+    if rank0:
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", required=True, help="JSON list of [direction, *dirs]")
     args = parser.parse_args()
     # One world for every job: each conversion rebuilds its groups on it (megatron_groups.initialize).
+    rank0 = os.environ.get("RANK", "0") == "0"  # torchrun's, known before the first job starts it
     for direction, *dirs in json.loads(args.jobs):
-        print(json.dumps({"job": [direction, *dirs]}), flush=True)
+        _line(rank0, {"job": [direction, *dirs]})
         result = DIRECTIONS[direction](*dirs)  # as the script (or the loop) calls it
-        if megatron_groups.is_rank0():
-            print(json.dumps({"done": dirs[-1], "notes": result["notes"]}), flush=True)
+        _line(rank0, {"done": dirs[-1], "notes": result["notes"]})
     megatron_groups.destroy()
 
 
