@@ -11,9 +11,9 @@ import os
 import subprocess
 import sys
 
-from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
-from megarl.demo.tiny_checkpoint import FAMILIES, make_tiny_checkpoint
-from megarl.demo.tool_task import tool_records, train_tool_tokenizer, warm_start_traces
+from megarl.demo.task_inputs import TASKS, write_task_inputs
+from megarl.demo.tiny_checkpoint import FAMILIES
+from megarl.demo.tool_task import warm_start_traces
 from megarl.trainer import console
 
 
@@ -23,7 +23,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--max-operand", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--task", default="addition", choices=("addition", "tools"))
+    parser.add_argument("--task", default="addition", choices=TASKS)
     parser.add_argument("--sft-steps", type=int, default=None,
                         help="warm-start steps (0: random model; default 8, with --task tools 150)")
     parser.add_argument("--model", default="qwen3_moe", choices=sorted(FAMILIES),
@@ -40,19 +40,10 @@ def main():
 
 def prepare(args) -> None:
     tools = args.task == "tools"
-    records = tool_records(args.prompts, args.seed) if tools else \
-        arithmetic_records(args.prompts, args.max_operand, args.seed)
     steps = args.sft_steps if args.sft_steps is not None else 150 if tools else 8
     model_dir = os.path.join(args.out, "model")
-    os.makedirs(args.out, exist_ok=True)
-    write_jsonl(records, os.path.join(args.out, "train.jsonl"))
-    (train_tool_tokenizer if tools else train_tokenizer)(records, model_dir)
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    make_tiny_checkpoint(args.model, model_dir, seed=args.seed, vocab_size=len(tokenizer),
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    records, tokenizer = write_task_inputs(args.out, args.task, args.prompts, args.max_operand, args.seed,
+                                           args.model)
     traces = warm_start_traces(records, tokenizer, args.seed) if tools else _answers(records, tokenizer)
     nll = warm_start(model_dir, tokenizer, traces, steps, args.seed)
     # The user-facing converter, as a fresh world of one (the actor loads it at any layout). The

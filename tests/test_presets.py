@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
-from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
-from megarl.demo.tool_task import tool_records, train_tool_tokenizer
+from megarl.demo.task_inputs import write_task_inputs
 from megarl.models.hf_config import load_arch
 from megarl.models.megatron_config import check_te_dtype, gpu_switches, transformer_config
 from megarl.parallel_state import device_choice
@@ -91,21 +90,6 @@ DEMOS = {"demo_cpu.yaml": "addition", "demo_async_cpu.yaml": "addition", "demo_t
 CONFIG_FILES = sorted(os.path.basename(path) for path in glob.glob(os.path.join(CONFIGS, "*.yaml")))
 
 
-def demo_inputs(task: str, out) -> None:
-    """OUT/model (tokenizer, config.json, random weights) and OUT/train.jsonl as
-    scripts/prepare_demo.py --task TASK --hf-only writes them, without the warm start."""
-    import transformers
-
-    tools = task == "tools"
-    records = tool_records(200, seed=0) if tools else arithmetic_records(200, max_operand=4, seed=0)
-    write_jsonl(records, str(out / "train.jsonl"))
-    (train_tool_tokenizer if tools else train_tokenizer)(records, str(out / "model"))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out / "model"))
-    make_tiny_checkpoint("qwen3_moe", str(out / "model"), vocab_size=len(tokenizer),
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-
-
 def check_demo(name: str, tmp_path) -> ParallelDims:
     """A CPU demo's preflight on its inputs, which it reads where prepare_demo.py --out DIR puts them."""
     path = os.path.join(CONFIGS, name)
@@ -114,7 +98,8 @@ def check_demo(name: str, tmp_path) -> ParallelDims:
     assert given.model.hf_dir == os.path.join(inputs, "model"), given.model
     assert given.data.path == os.path.join(inputs, "train.jsonl"), given.data
     assert given.model.megatron_dir in (None, os.path.join(inputs, "megatron")), given.model
-    demo_inputs(DEMOS[name], tmp_path)
+    # as scripts/prepare_demo.py --task TASK --hf-only writes them, less the warm start
+    write_task_inputs(str(tmp_path), DEMOS[name], prompts=200, max_operand=4, seed=0, model="qwen3_moe")
     config = load(RunConfig, path, [f"model.hf_dir={tmp_path / 'model'}",
                                     f"data.path={tmp_path / 'train.jsonl'}"])
     # The CPU path whatever machine runs this: the demo models are fp32, which Transformer Engine
