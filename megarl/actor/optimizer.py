@@ -23,7 +23,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.actor.packing import PackedMicroBatch
 from megarl.actor.schedule import run_micro_batches
-from megarl.models.layer_spec import transformer_engine_available
+from megarl.models.layer_spec import uses_transformer_engine
 from megarl.parallel_state import device_choice
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -174,8 +174,8 @@ class TrainState:
     def __init__(self, chunks: List[torch.nn.Module], config: OptimConfig,
                  offload: OptimizerOffloadConfig = NO_OFFLOAD):
         model_config = chunks[0].config
-        use_te = device_choice.on_gpu() and transformer_engine_available()
-        offloaded = offload_fields(offload, model_config.params_dtype, device_choice.on_gpu(), use_te)
+        offloaded = offload_fields(offload, model_config.params_dtype, device_choice.on_gpu(),
+                                   uses_transformer_engine())
         model_config.calculate_per_token_loss = True  # DDP reads it when built: sum, not average
         model_config.finalize_model_grads_func = _sum_grads
         # On GPUs the gradient reduce of a bucket overlaps the rest of the backward (NCCL streams);

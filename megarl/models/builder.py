@@ -11,7 +11,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 
 from megarl.models.hf_config import ModelArch
-from megarl.models.layer_spec import decoder_spec, transformer_engine_available
+from megarl.models.layer_spec import decoder_spec, uses_transformer_engine
 from megarl.models.megatron_config import padded_vocab_size, transformer_config
 from megarl.models.value_head import ValueHead
 from megarl.parallel_state import device_choice, megatron_groups
@@ -24,7 +24,7 @@ def build_model(arch: ModelArch, dims: ParallelDims, role: str = "policy",
                 **config_overrides) -> List[GPTModel]:
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {ROLES}")
-    use_te = transformer_engine_available() and device_choice.on_gpu()
+    use_te = uses_transformer_engine()
     config = transformer_config(arch, dims, use_te=use_te, **config_overrides)
     chunks = []
     for vp_stage in range(dims.virtual_stages):

@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from megarl.models.hf_config import ModelArch
 from megarl.models.portable_layers import PortableCoreAttention, RMSNorm
+from megarl.parallel_state import device_choice
 
 
 def transformer_engine_available() -> bool:
@@ -44,6 +45,12 @@ def transformer_engine_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def uses_transformer_engine() -> bool:
+    """Whether this process builds with Transformer Engine: the GPU path with TE importable (the
+    one decision build_model, TrainState and preflight share)."""
+    return transformer_engine_available() and device_choice.on_gpu()
 
 
 class PortableSpecProvider(LocalSpecProvider):

@@ -16,7 +16,7 @@ from megarl.actor.optimizer import offload_fields
 from megarl.actor.packing import plan_micro_batches
 from megarl.actor.passes import mini_batch_rows
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config, reward_model_arch
-from megarl.models.layer_spec import transformer_engine_available
+from megarl.models.layer_spec import uses_transformer_engine
 from megarl.models.megatron_config import check_te_dtype, transformer_config
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
@@ -94,8 +94,7 @@ def preflight(config: RunConfig) -> ParallelDims:
 def _check_training_state(config: RunConfig, arch: ModelArch, dims: ParallelDims) -> None:
     """Recompute and optimizer offload of the actor (and the critic when the run has one) on this
     machine, as build_model and TrainState will apply them."""
-    on_gpu = device_choice.on_gpu()
-    use_te = on_gpu and transformer_engine_available()
+    on_gpu, use_te = device_choice.on_gpu(), uses_transformer_engine()
     sections = {"actor": config.actor} | ({"critic": config.critic} if config.algo.uses_critic else {})
     for section, role in sections.items():
         try:
