@@ -20,6 +20,7 @@ import time
 import pytest
 
 from tests.launch import ROOT, run
+from tests.learning import assert_learned
 
 SCRIPT = "scripts/train_ppo_moe.py"
 
@@ -167,10 +168,5 @@ def test_async_demo_reward_rises(demo_inputs, tmp_path):
         f"data.path={demo_inputs / 'train.jsonl'}", f"run_dir={run_dir}", "steps=30", "checkpoint.every=0",
         "checkpoint.export_hf=false", nproc=2, timeout=900)
     steps = _steps(run_dir)
-    rewards = [s["reward/mean"] for s in steps]
-    assert len(rewards) == 30
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    assert last - first >= 0.1, f"reward {first:.3f} (steps 1-5) -> {last:.3f} (steps 21-30): {rewards}"
-    kl = [s["kl/actor_to_reference"] for s in steps]
-    assert sum(kl[-10:]) / 10 >= 0.05, f"the actor hardly moved from the reference: {kl}"
+    assert_learned(steps, 30, last=10, min_rise=0.1, min_kl=0.05)
     _check_bounds(steps, 1)

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.launch import ROOT, kill_tree, load_script, ray_pids, run
+from tests.learning import assert_learned
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 # For runs whose tests read only metrics and logs: the final checkpoint and HF export cost ~6 s of a
@@ -492,10 +493,7 @@ def test_demo_reward_rises(demo_inputs, tmp_path):
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "steps=30", "layout.world_size=1",
                                            "layout.ep=1", *NO_CHECKPOINT),
         nproc=1, timeout=900, env=_one_rank())
-    rewards = [s["reward/mean"] for s in _steps(run_dir)]
-    assert len(rewards) == 30
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    assert last - first >= 0.08, f"reward {first:.3f} (steps 1-5) -> {last:.3f} (steps 21-30): {rewards}"
+    assert_learned(_steps(run_dir), 30, last=10, min_rise=0.08)
 
 
 def test_deepseek_v3_demo_reward_rises(tmp_path):
@@ -518,12 +516,7 @@ def test_deepseek_v3_demo_reward_rises(tmp_path):
                                            "layout.ep=1", "data.prompts_per_step=16", *NO_CHECKPOINT),
         nproc=1, timeout=900, env=_one_rank())
     steps = _steps(run_dir)
-    rewards = [s["reward/mean"] for s in steps]
-    assert len(rewards) == 20
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last - first >= 0.05, f"reward {first:.3f} (steps 1-5) -> {last:.3f} (steps 16-20): {rewards}"
-    kl = [s["kl/actor_to_reference"] for s in steps]
-    assert sum(kl[-5:]) / 5 >= 0.05, f"the actor hardly moved from the reference: {kl}"
+    assert_learned(steps, 20, last=5, min_rise=0.05, min_kl=0.05)
     # vLLM's CPU MLA is not shown exact on every shape (docs/PERFORMANCE.md, "vLLM's CPU MLA": 8.1e-6 from
     # the actor on this model after a sync); through training it stays close to the actor's.
     assert max(s["mismatch/logprob_diff_max"] for s in steps) < 0.05
