@@ -52,6 +52,8 @@ TIERS = {
     "test_layout_parity": DISTRIBUTED,
     "test_loop": E2E,
     "test_nonfinite": DISTRIBUTED,
+    # a colocated run's memory events on the real engine, instrumented (vLLM, the loop)
+    "test_memory_order": (E2E, {"test_phase_timer_moves_seconds_between_phases": UNIT}),
     "test_offload": E2E,  # its launches hand memory over to a real vLLM engine
     "test_packing": UNIT,
     "test_parallel_dims": UNIT,

@@ -5,7 +5,9 @@ One launch per layout does all the work (tests/workers/offload_handoff.py); thes
 every rank saved. Offload must free exactly the storages it claims (sizes 0) and count exactly the
 bytes that the buffer sizes predict; reload must restore every parameter, main param and Adam
 moment bit for bit; a second update after offload/reload must equal a run that never offloaded;
-around vLLM the order must be offload, resume_memory, generate, release_memory, reload.
+around vLLM (offload.device_to_engine) the order must be: optimizer state and gradients off, the
+engine's weights woken, the sync, the parameters off, the KV cache woken, generate, release_memory,
+reload. tests/test_memory_order.py checks the same order inside a real training step.
 """
 
 import json
@@ -86,14 +88,17 @@ def test_next_update_equals_a_run_that_never_offloaded(results, layout, case):
 
 
 def test_handoff_order_around_vllm(results):
-    """Spy records (call, actor moments freed at that moment); actor and critic both move."""
+    """Spy records (call, actor moments freed, actor parameters freed at that moment); actor and
+    critic both move, the actor's parameters only after the sync has read them."""
     result = results["single"]["handoff"][0]
-    assert result["calls"] == [("offload", False), ("offload", True), ("resume_memory", True),
-                               ("generate", True), ("release_memory", True), ("reload", True),
-                               ("reload", False)]
+    assert result["calls"] == [("offload", False, False), ("offload", True, False),
+                               ("resume_memory", True, False), ("sync", True, False),
+                               ("offload", True, False), ("resume_memory", True, True),
+                               ("generate", True, True), ("release_memory", True, True),
+                               ("reload", True, True), ("reload", True, False), ("reload", True, False)]
     everything = {"moments": True, "grads": True, "params": True, "main": True}
     assert result["inside"] == {"actor": everything, "critic": everything}
-    assert result["tokens_equal"], result["tokens"]  # vLLM generated as before the handoff
+    assert result["tokens_equal"], result["tokens"]  # vLLM generated with the synced weights
     assert result["after"] == [dict.fromkeys(everything, False)] * 2
     assert result["differences"] == [None, None]
     assert result["freed_bytes"] == sum(expected_bytes(c, params=True)[1] for c in result["counts"])
@@ -101,21 +106,25 @@ def test_handoff_order_around_vllm(results):
 
 def test_handoff_is_undone_when_generation_raises(results):
     result = results["single"]["handoff"][0]
-    assert result["raised_calls"] == [("offload", False), ("offload", True), ("resume_memory", True),
-                                      ("release_memory", True), ("reload", True), ("reload", False)]
+    assert result["raised_calls"] == [("offload", False, False), ("offload", True, False),
+                                      ("resume_memory", True, False), ("sync", True, False),
+                                      ("resume_memory", True, False), ("release_memory", True, False),
+                                      ("reload", True, False), ("reload", True, False)]
     assert result["raised_after"] == [{"moments": False, "grads": False, "params": False,
                                        "main": False}] * 2
     assert result["raised_differences"] == [None, None]
 
 
-def test_released_engine_refuses_updates_and_generation_until_woken(results):
-    """After the handoff vLLM's memory is released: a weight sync then would be overwritten by
-    vLLM's host copy at wake-up (GPU sleep mode), so it is refused, as is generation. Waking only
-    the weights lets the sync run while generation still waits for the KV cache."""
+def test_released_engine_refuses_updates_and_generation_until_woken_and_synced(results):
+    """After the handoff vLLM's memory is released: a weight sync then would be lost (GPU sleep
+    mode), so it is refused, as is generation. Waking only the weights lets the sync run while
+    generation still waits for the KV cache; woken weights are stale (sleep level 2 keeps
+    nothing) until a sync writes them."""
     result = results["single"]["handoff"][0]
     refused = result["released_refusals"]
     assert "weight update" in refused["weight_update"] and "'weights'" in refused["weight_update"]
     assert "resume_memory(weights=True)" in refused["weight_update"]
     assert "'kv_cache', 'weights'" in refused["generate"]
-    assert result["synced"]
     assert "['kv_cache']" in result["kv_cache_refusal"]
+    assert "stale" in result["stale_refusal"] and "sync the weights first" in result["stale_refusal"]
+    assert result["synced"] and result["synced_tokens_equal"]

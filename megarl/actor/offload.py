@@ -1,9 +1,11 @@
-"""The colocated memory handoff: training state off the accelerator while vLLM generates, and back.
+"""The colocated memory handoff: training state off the accelerator while vLLM syncs and
+generates, and back.
 
 Owns which storages of a TrainState move (optimizer moments, fp32 main params that are not the
-model's own parameters, the model's parameters when asked), their host copies, freeing gradients,
-and the order of the handoff around the engine (`generation_memory`). Does not own the engine's
-memory (RolloutEngine.resume_memory/release_memory) or when the loop hands off.
+model's own parameters, gradients; the model's parameters when asked, separately), their host
+copies, and the order of the handoff around the engine and its weight sync
+(`device_to_engine`). Does not own the engine's memory (RolloutEngine.resume_memory /
+release_memory), the sync itself (passed in as a callable) or when the loop hands off.
 
 Same code on CPU and GPU: each storage's bytes are copied into a fresh host buffer (pinned when
 CUDA is present), then the storage is resized to 0 bytes. That frees it while every tensor viewing
@@ -14,7 +16,7 @@ nothing is lost. (Megatron's own offload_to_cpu/reload_from_cpu do nothing off C
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Sequence, Tuple
 
 import torch
 
@@ -70,19 +72,23 @@ def _optimizer_tensors(state: TrainState):
     return main, moments
 
 
-def offload(state: TrainState, params: bool) -> Offloaded:
-    """Free `state`'s optimizer moments, separate main params (bf16 models) and gradients on the
-    device, and its model parameters too when `params`. Until `reload`, the model may not run
-    (without `params`, its weights can still be read, e.g. by a weight sync)."""
+def offload(state: TrainState, *, optimizer: bool = True, params: bool = False) -> Offloaded:
+    """Free on the device `state`'s optimizer moments, separate main params (bf16 models) and
+    gradients when `optimizer`, its model parameters when `params`. Storages already freed are
+    skipped, so the two parts can go in separate calls, each reloaded from its own Offloaded.
+    Until `reload`, the model may not run (with its parameters kept, its weights can still be
+    read, e.g. by a weight sync)."""
     param_storages = _distinct(p for chunk in state.model for p in chunk.parameters())
-    param_ptrs = {s.data_ptr() for s in param_storages}
-    main, moments = _optimizer_tensors(state)
-    # fp32 models' main params are views of the parameters: they move with the parameters.
-    to_copy = _distinct(moments + [p for p in main if p.untyped_storage().data_ptr() not in param_ptrs])
+    to_copy, grads = [], []
+    if optimizer:
+        param_ptrs = {s.data_ptr() for s in param_storages}
+        main, moments = _optimizer_tensors(state)
+        # fp32 models' main params are views of the parameters: they move with the parameters.
+        to_copy += _distinct(moments + [p for p in main if p.untyped_storage().data_ptr() not in param_ptrs])
+        grads = _distinct(buffer.grad_data for chunk in state.model
+                          for buffer in chunk.buffers + chunk.expert_parallel_buffers)
     if params:
         to_copy += param_storages
-    grads = _distinct(buffer.grad_data for chunk in state.model
-                      for buffer in chunk.buffers + chunk.expert_parallel_buffers)
     # Copy everything before freeing anything: a failed copy (host out of memory) loses nothing.
     # Blocking copies, so the host holds the bytes before the device storage is reused.
     # Fresh host buffers each time: torch caches pinned blocks, so from the second handoff on the
@@ -117,20 +123,32 @@ def reload(offloaded: Offloaded) -> None:
 
 
 @contextlib.contextmanager
-def generation_memory(states: Sequence[TrainState], engine: RolloutEngine,
-                      offload_params: bool) -> Iterator[int]:
-    """Around generation: offload every state -> engine.resume_memory() -> the block ->
-    engine.release_memory() -> reload every state, undone in that order if the block raises.
-    Yields the bytes freed on the device (all states together)."""
+def device_to_engine(synced: TrainState, others: Sequence[TrainState], engine: RolloutEngine,
+                     sync: Callable[[], None], offload_params: bool) -> Iterator[int]:
+    """Hand the device to the engine for one weight sync and generation, and back:
+    optimizer state and gradients of every state off (with `offload_params`, the parameters of
+    `others` too) -> the engine's weights woken -> `sync()`, which reads `synced`'s parameters ->
+    with `offload_params`, `synced`'s parameters off -> the KV cache woken -> the block ->
+    engine.release_memory() -> everything reloaded. Undone in reverse order from wherever it
+    raises. Yields the bytes freed on the device (all states together).
+
+    The weights wake only once training state has left the device (offload empties the
+    allocator's cache on GPU), and the KV cache, the engine's largest part, only once the sync
+    no longer needs `synced`'s parameters there."""
     offloaded = []
     try:
-        for state in states:
-            offloaded.append(offload(state, offload_params))
-        engine.resume_memory()
+        offloaded.append(offload(synced))  # its parameters stay: they are the sync's source
+        for state in others:
+            offloaded.append(offload(state, params=offload_params))
         try:
+            engine.resume_memory(kv_cache=False)
+            sync()
+            if offload_params:
+                offloaded.append(offload(synced, optimizer=False, params=True))
+            engine.resume_memory(weights=False)
             yield sum(o.freed_bytes for o in offloaded)
         finally:
             engine.release_memory()
     finally:
-        for o in offloaded:
+        for o in reversed(offloaded):
             reload(o)

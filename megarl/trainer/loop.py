@@ -7,7 +7,9 @@ rollouts instead (engine_supervisor.py, rollout_server.py) and the rest train. E
 named call, timed under its name. It orchestrates and computes nothing itself: where rollouts
 come from is a RolloutSource (colocated: rollout_source.py; disaggregated:
 disaggregated_rollouts.py), how samples are produced a SampleProducer
-(megarl/rollout/producer.py), both chosen once in `setup`.
+(megarl/rollout/producer.py), both chosen once in `setup`. A colocated engine is made, asleep,
+before any model (on a GPU vLLM starts only on a free device), and the weights a step pushes are
+synced inside the next step's memory handoff; their seconds are still booked as "sync".
 """
 
 import json
@@ -49,6 +51,20 @@ def with_advantages(batch, algo: AlgoConfig, max_new_tokens: int):
         kl_clamp=algo.kl_clamp, max_response_len=max_new_tokens, overlong_buffer=algo.overlong_buffer,
         overlong_penalty=algo.overlong_penalty)
     return batch.with_fields(advantages=advantages, returns=returns)
+
+
+def _colocated_engine(config: RunConfig, arch: ModelArch) -> VLLMEngine:
+    """This rank's engine, asleep. Made before any training state: on a GPU vLLM starts only
+    with gpu_memory_utilization x the device free, and its weights come from each step's sync."""
+    layout, data, gen = config.layout, config.data, config.generation
+    engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, rollout_ep=layout.rollout_ep,
+                        seed=config.seed, dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
+                        gpu_memory_utilization=gen.gpu_memory_utilization,
+                        max_model_len=data.max_prompt_len + gen.max_new_tokens,
+                        return_routing=config.engine_returns_routing,
+                        router_fp32=config.model.router_fp32)
+    engine.release_memory()
+    return engine
 
 
 def _load(chunks, arch, config: RunConfig, role: str) -> None:
@@ -100,6 +116,8 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
         checkpoint.read_trainer_file(resume_from, config, hf_config)
     if config.model.megatron_dir:
         model_checkpoint.require_model(config.model.megatron_dir, hf_config, config.model.hf_dir)
+    # Before Megatron seeds the RNGs (vLLM seeds them too), so the models are built as without it.
+    engine = _colocated_engine(config, arch) if role is None else None
     megatron_groups.initialize(dims, seed=config.seed, timeout_s=config.collective_timeout_s)
     rank0 = megatron_groups.is_rank0()
     if rank0:
@@ -133,16 +151,9 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
     if role is not None:
         source = DisaggregatedRollouts(config, role, tokenizer, prompts.prompts, sampler, scorer)
     else:
-        engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, rollout_ep=layout.rollout_ep,
-                            seed=config.seed, dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
-                            gpu_memory_utilization=gen.gpu_memory_utilization,
-                            max_model_len=data.max_prompt_len + gen.max_new_tokens,
-                            return_routing=config.engine_returns_routing,
-                            router_fp32=config.model.router_fp32)
-        states = [actor.state] + ([critic.state] if critic is not None else [])
         producer = load_producer(gen.producer, tokenizer, gen.agent)
-        source = ColocatedRollouts(config, engine, producer, tokenizer, prompts.prompts,
-                                   sampler, scorer, states)
+        source = ColocatedRollouts(config, engine, producer, tokenizer, prompts.prompts, sampler, scorer,
+                                   actor.state, [critic.state] if critic is not None else [])
     run = Run(config, arch, hf_config, actor, critic, source, sampler, flops.device_name())
     done = checkpoint.load(run, resume_from) if resume_from else 0
     source.push_weights(actor_chunks, arch, version=done)
@@ -179,6 +190,8 @@ def step(run: Run, number: int) -> StepResult:
             critic_metrics = critic.update(batch)
     with timer("sync"):
         run.source.push_weights(actor.state.chunks, run.arch, version=number)
+    # A colocated source syncs inside rollouts(), in its memory handoff: book that under "sync".
+    timer.move("generate", "sync", rollouts.sync_seconds)
     phases = flops.rl_phases(rollouts.generated_lengths, batch.lengths.tolist(),
                              reference=actor.reference is not None, critic=critic is not None,
                              actor_epochs=config.actor.batching.epochs,

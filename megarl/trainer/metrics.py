@@ -25,6 +25,17 @@ class PhaseTimer:
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Book `seconds` timed under `source` under `target` instead: a call timed as one phase
+        may run part of another inside it (the colocated weight sync runs within generate's
+        memory handoff), and each phase's time should be its own."""
+        if not 0 <= seconds <= self.seconds.get(source, 0.0):
+            raise ValueError(f"cannot move {seconds} s from phase {source!r}, which timed "
+                             f"{self.seconds.get(source, 0.0)} s: the moved part must lie within it")
+        if seconds:
+            self.seconds[source] -= seconds
+            self.seconds[target] = self.seconds.get(target, 0.0) + seconds
+
 
 def _drop_steps_from(path: str, first_step: int) -> None:
     """A resumed run repeats the steps after its checkpoint: forget what was logged for them."""

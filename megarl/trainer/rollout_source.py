@@ -3,18 +3,20 @@
 
 Owns the RolloutSource protocol (a step's scored rollouts; the actor's new weights after its
 update), the sampling of each step (the same whichever source generates it), and the colocated
-implementation, ColocatedRollouts: the training ranks themselves generate,
-synchronously, with the hybrid-engine memory handoff around generation, DAPO dynamic sampling's
-extra rounds, and a weight sync into the colocated engine. Does not own generation (the engine
-and its sample producer), scoring (collect.py) or what the step does with the rollouts (loop.py).
+implementation, ColocatedRollouts: the training ranks themselves generate, synchronously,
+inside the hybrid-engine memory handoff (megarl/actor/offload.py: training state off, the
+engine's weights in, the weights last pushed synced, the KV cache in, generation, and back), with
+DAPO dynamic sampling's extra rounds. Does not own generation (the engine and its sample
+producer), scoring (collect.py) or what the step does with the rollouts (loop.py).
 """
 
-from dataclasses import dataclass, field
-from typing import List, Protocol, Sequence
+import time
+from dataclasses import dataclass, field, replace
+from typing import List, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
-from megarl.actor.offload import generation_memory
+from megarl.actor.offload import device_to_engine
 from megarl.actor.optimizer import TrainState
 from megarl.algos.shaping import informative_groups
 from megarl.models.hf_config import ModelArch
@@ -33,6 +35,9 @@ class Rollouts:
     prompts: List[Prompt]  # what the batch's group ids index
     generated_lengths: List[int]  # every sequence generated this step, kept or not (FLOPs)
     metrics: dict = field(default_factory=dict)  # the source's own (dynamic sampling, memory)
+    # Seconds of the weight sync that ran inside rollouts() (colocated: the sync is part of the
+    # memory handoff), which the loop books under "sync", not "generate"; 0 where push_weights syncs.
+    sync_seconds: float = 0.0
 
 
 class RolloutSource(Protocol):
@@ -59,24 +64,49 @@ def step_sampling(config: RunConfig, tokenizer, number: int, round_: int = 0) ->
                           seed=seed)
 
 
+class _Pushed(NamedTuple):
+    """The weights last pushed: what the next step syncs into the engine before it generates."""
+    chunks: List[torch.nn.Module]
+    arch: ModelArch
+    version: int
+
+
 class ColocatedRollouts:
-    """Every training rank also runs (a rank of) a rollout engine; one step generates, then trains."""
+    """Every training rank also runs (a rank of) a rollout engine; one step syncs and generates,
+    then trains. The engine keeps nothing while it sleeps (VLLMEngine.release_memory), so each
+    step syncs the weights last pushed before it generates."""
 
     def __init__(self, config: RunConfig, engine: RolloutEngine, producer: SampleProducer, tokenizer,
                  prompts: List[Prompt], sampler: PromptSampler, scorer: Scorer,
-                 train_states: Sequence[TrainState]):
+                 actor: TrainState, others: Sequence[TrainState]):
+        """`actor`: the training state whose weights are pushed (its parameters are the sync's
+        source); `others` (the critic's): moved off the device too while the engine runs."""
         self.config, self.engine, self.producer, self.tokenizer = config, engine, producer, tokenizer
         self.prompts, self.sampler, self.scorer = prompts, sampler, scorer
-        self.train_states = list(train_states)
+        self.actor, self.others = actor, list(others)
+        self._pushed: Optional[_Pushed] = None
 
     def rollouts(self, number: int) -> Rollouts:
         """With DAPO dynamic sampling, groups whose rewards are all equal are dropped and more
         prompts are drawn, up to algo.dynamic_sampling_rounds extra rounds."""
-        # The hybrid-engine handoff: training state off the device, the engine's memory in, and back.
-        with generation_memory(self.train_states, self.engine, self.config.offload_params) as offloaded:
+        pushed = self._pushed
+        if pushed is None or pushed.version != number - 1:
+            have = "none were" if pushed is None else f"those after step {pushed.version} were"
+            raise RuntimeError(f"step {number} generates with the weights after step {number - 1}, but "
+                               f"{have} pushed: call push_weights(..., version={number - 1}) first")
+        sync_seconds = []
+
+        def sync():
+            start = time.perf_counter()
+            sync_weights(pushed.chunks, pushed.arch, self.engine,
+                         bucket_bytes=self.config.layout.sync_bucket_mb * 2**20)
+            sync_seconds.append(time.perf_counter() - start)
+
+        with device_to_engine(self.actor, self.others, self.engine, sync,
+                              self.config.offload_params) as offloaded:
             rollouts = self._rounds(number)
-        return Rollouts(rollouts.collected, rollouts.prompts, rollouts.generated_lengths,
-                        {**rollouts.metrics, "memory/offloaded_bytes": offloaded})
+        return replace(rollouts, metrics={**rollouts.metrics, "memory/offloaded_bytes": offloaded},
+                       sync_seconds=sync_seconds[0])
 
     def _rounds(self, number: int) -> Rollouts:
         extra_rounds = self.config.algo.dynamic_sampling_rounds
@@ -103,8 +133,9 @@ class ColocatedRollouts:
             "dynamic_sampling/uninformative_kept": len(torch.unique(batch.group_ids)) - len(informative)})
 
     def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch, version: int) -> None:
-        self.engine.resume_memory(kv_cache=False)  # weights only: the training state is still here
-        sync_weights(chunks, arch, self.engine, bucket_bytes=self.config.layout.sync_bucket_mb * 2**20)
+        """Recorded only: the next rollouts() syncs them once the training state has left the
+        device (a giant model's engine cannot wake beside its optimizer state)."""
+        self._pushed = _Pushed(chunks, arch, version)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -1,5 +1,5 @@
 """Worker: offload/reload of real Megatron TrainStates at one layout, and (with --vllm) the whole
-generation handoff around the real VLLMEngine. Every rank saves its observations to
+handoff (sync and generation) around the real VLLMEngine. Every rank saves its observations to
 OUT_DIR/<case>_rank<r>.pt; it asserts nothing itself, so the test reports what differed.
 
 Each case: one actor update, snapshot, offload (params=False, then params=True) with the freed
@@ -103,7 +103,7 @@ def case(dims, hf_dir, dtype, distributed_optimizer, max_len):
     result = dict(counts=counts, offloads={})
     for params in (False, True):
         start = time.perf_counter()
-        offloaded = offload_mod.offload(actor.state, params)
+        offloaded = offload_mod.offload(actor.state, params=params)
         offload_s = time.perf_counter() - start
         during = freed(kinds)
         host_bytes, freed_bytes = offloaded.host_bytes, offloaded.freed_bytes
@@ -126,22 +126,18 @@ def case(dims, hf_dir, dtype, distributed_optimizer, max_len):
     return result
 
 
-def refusals(engine, prompts, sampling):
-    """What the released engine says to a weight update and to generate (None: it ran)."""
-    refused = {}
-    for name, call in (("weight_update", lambda: engine.begin_weight_update({})),
-                       ("generate", lambda: engine.generate(prompts, sampling))):
-        try:
-            call()
-            refused[name] = None
-        except RuntimeError as error:
-            refused[name] = str(error)
-    return refused
+def refusal(call):
+    """What the engine says to `call()` (None: it ran)."""
+    try:
+        call()
+        return None
+    except RuntimeError as error:
+        return str(error)
 
 
 def handoff(dims, hf_dir, max_len):
-    """generation_memory around the real engine, with a spy recording each call in order and
-    whether the actor's optimizer moments were freed at that moment."""
+    """device_to_engine around the real engine, with a spy recording each call in order and
+    whether the actor's optimizer moments and parameters were freed at that moment."""
     actor, arch = new_actor(dims, hf_dir, None, True)
     critic = Critic(build_model(arch, dims, role="value"), CriticConfig())
     batch = actor.logprobs(synthetic_batch(arch.vocab_size, max_len=max_len))
@@ -153,43 +149,50 @@ def handoff(dims, hf_dir, max_len):
     engine = VLLMEngine(hf_dir, dtype=arch.dtype, kv_cache_gib=1, max_model_len=64, load_format="auto")
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    sync_weights(actor.state.chunks, arch, engine)  # the updated actor's weights, before any handoff
     expected_tokens = [s.response_ids for s in engine.generate(prompts, greedy)]
+    engine.release_memory()  # as setup leaves it
 
     calls = []
 
-    def spy(owner, name):
-        original = getattr(owner, name)
-
+    def spied(name, original):
         def recorded(*args, **kwargs):
-            calls.append((name, freed(kinds[0])["moments"]))
+            actor_freed = freed(kinds[0])
+            calls.append((name, actor_freed["moments"], actor_freed["params"]))
             return original(*args, **kwargs)
-        setattr(owner, name, recorded)
+        return recorded
 
     for name in ("resume_memory", "generate", "release_memory"):
-        spy(engine, name)
+        setattr(engine, name, spied(name, getattr(engine, name)))
     for name in ("offload", "reload"):
-        spy(offload_mod, name)
+        setattr(offload_mod, name, spied(name, getattr(offload_mod, name)))
+    sync = spied("sync", lambda: sync_weights(actor.state.chunks, arch, engine))
 
-    with offload_mod.generation_memory(states, engine, offload_params=True) as freed_bytes:
+    with offload_mod.device_to_engine(actor.state, [critic.state], engine, sync,
+                                      offload_params=True) as freed_bytes:
         inside = dict(actor=freed(kinds[0]), critic=freed(kinds[1]))
         tokens = [s.response_ids for s in engine.generate(prompts, greedy)]
     result = dict(calls=list(calls), freed_bytes=freed_bytes, inside=inside, counts=counts,
                   tokens_equal=tokens == expected_tokens, tokens=tokens,
                   after=[freed(k) for k in kinds],
                   differences=[first_difference(b, snapshot(s)) for b, s in zip(before, states)])
-    result["released_refusals"] = refusals(engine, prompts, greedy)
-    engine.resume_memory(kv_cache=False)  # as the loop does before its weight sync
+    # Released: updates and generation refused; weights woken: generation waits for the KV cache,
+    # then for a sync (the woken weights are stale).
+    result["released_refusals"] = dict(weight_update=refusal(lambda: engine.begin_weight_update({})),
+                                       generate=refusal(lambda: engine.generate(prompts, greedy)))
+    engine.resume_memory(kv_cache=False)
+    result["kv_cache_refusal"] = refusal(lambda: engine.generate(prompts, greedy))
+    engine.resume_memory()
+    result["stale_refusal"] = refusal(lambda: engine.generate(prompts, greedy))
     report = sync_weights(actor.state.chunks, arch, engine)
-    try:
-        engine.generate(prompts, greedy)
-        kv_cache_refusal = None
-    except RuntimeError as error:
-        kv_cache_refusal = str(error)
     result.update(synced=report.params_synced == report.params_expected > 0,
-                  kv_cache_refusal=kv_cache_refusal)
+                  synced_tokens_equal=[s.response_ids for s in engine.generate(prompts, greedy)]
+                  == expected_tokens)
+    engine.release_memory()
     calls.clear()
     try:
-        with offload_mod.generation_memory(states, engine, offload_params=False):
+        with offload_mod.device_to_engine(actor.state, [critic.state], engine, sync,
+                                          offload_params=False):
             raise RuntimeError("generation failed")
     except RuntimeError:
         pass
