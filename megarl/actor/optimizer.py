@@ -10,7 +10,7 @@ Does not own losses or data.
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from megatron.core.distributed import (
@@ -100,6 +100,19 @@ class OptimizerOffloadConfig:
 
 
 NO_OFFLOAD = OptimizerOffloadConfig()
+# DDP's gradient buffer (param.main_grad) is fp32 whatever the model's dtype: the reduce and the
+# optimizer read exact sums (TrainState's grad_reduce_in_fp32).
+GRAD_DTYPE = torch.float32
+
+
+def optimizer_bytes(params_dtype: torch.dtype, offload: OptimizerOffloadConfig) -> Tuple[float, float]:
+    """Pure: (device, host) bytes of Adam state per element of a rank's optimizer shard: the fp32
+    main copy (none for fp32 parameters: they are their own) and the two moments, the offloaded
+    fraction of them on the host (Megatron's HybridDeviceOptimizer)."""
+    main = 0 if params_dtype == torch.float32 else 4
+    moments = (MOMENT_DTYPES[offload.exp_avg_dtype], MOMENT_DTYPES[offload.exp_avg_sq_dtype])
+    per = main + sum(dtype.itemsize for dtype in moments)
+    return per * (1 - offload.fraction), per * offload.fraction
 
 
 def check_offload(optim: OptimConfig, offload: OptimizerOffloadConfig, section: str) -> None:
@@ -182,7 +195,7 @@ class TrainState:
         # over gloo it would only add threads to a 2-core box.
         overlap = device_choice.on_gpu()
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+            grad_reduce_in_fp32=GRAD_DTYPE == torch.float32, overlap_grad_reduce=overlap,
             use_distributed_optimizer=config.use_distributed_optimizer)
         self.chunks, self.clip_grad = chunks, config.clip_grad
         self.model = [DistributedDataParallel(model_config, ddp_config, c) for c in chunks]

@@ -100,6 +100,17 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def working_bytes(tokens: int, vocab_shard: int, logits_bytes: int, backward: bool,
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """Pure: the most bytes logprobs_and_entropy allocates beyond the logits it is given [tokens,
+    vocab_shard] of `logits_bytes` each: two [chunk, V/tp] temporaries in the compute dtype (the
+    upcast copy and exp, then s and p in the backward), and with `backward` the logits' gradient
+    in their own dtype (the memory planner's log-prob term, trainer/memory_plan.py)."""
+    compute = max(logits_bytes, 4)
+    chunk = 2 * min(chunk_tokens, tokens) * vocab_shard * compute
+    return chunk + (tokens * vocab_shard * logits_bytes if backward else 0)
+
+
 def logprobs_and_entropy(logits: torch.Tensor,  # [..., V/tp], any float dtype
                          targets: torch.Tensor,  # [...] global vocab ids, < vocab_size
                          group: Optional[dist.ProcessGroup],

@@ -6,10 +6,11 @@ this rank's place on each parallel axis (`tensor()`, `context()`, ... -> Axis) a
 stage. Nothing else in megarl imports `megatron.core.parallel_state` (tests/test_architecture.py).
 """
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,25 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+@contextlib.contextmanager
+def fake_world(dims: ParallelDims, rank: int) -> Iterator[None]:
+    """Within the block this process is rank `rank` of a world of dims.world_size with Megatron's
+    groups for `dims`, and no peers: torch's fake backend answers every collective without
+    communicating. For building a rank's model on the meta device (models/held_params.py) before
+    any real process group exists; refused inside a running job, whose groups it would replace."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world inside a process group: size models before init_distributed")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    try:
+        cpu_compat.install()
+        _mpu().initialize_model_parallel(**dims.megatron_sizes(), create_gloo_process_groups=False)
+        yield
+    finally:
+        destroy()
 
 
 def destroy() -> None:

