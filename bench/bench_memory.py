@@ -13,8 +13,15 @@ freed memory cannot hide another's peak):
             (--full-max-gb), since that is the point.
 `peak_over_fp32_logits`: the peak extra memory (GPU: the CUDA allocator's peak; CPU: the resident
 set's high-water mark, parallel_state/device_memory.py) over the bytes of the fp32 logits.
-Target: chunked <= 1.0x at 16,384 tokens x 151,936 (Qwen3's vocabulary). The last line compares
+Target: chunked <= 1.0x at 16,384 tokens x 151,936 (Qwen3's vocabulary). A line then compares
 the two cases' log-probs, entropies and gradients where both ran.
+  plan_vs_measured  (--phases-only: this case alone; --no-phases: skip it) the memory plan
+            (trainer/memory_plan.py, what scripts/plan_memory.py and the preflight use) against
+            the measured peak of each phase of a real actor step (old log-probs, update) at three
+            layouts of two ranks (bench/memory_phases.py: a 36M-parameter fp32 Qwen3, 64K
+            vocabulary, micro-batches filled to 1,024 tokens), each phase's peak above the
+            process's memory before the model is built. Bound: within PHASE_BOUND of the
+            measured value. One JSON object per layout, then a summary.
 """
 
 import argparse
@@ -29,6 +36,14 @@ from types import SimpleNamespace
 import torch
 
 TARGET = 1.0
+PHASE_BOUND = 0.15  # |planned - measured| <= 15% of measured, every phase at every layout
+PHASE_LAYOUTS = [["tp2", {"tp": 2}], ["pp2", {"pp": 2}], ["dp2", {}]]
+# A model whose training state and logits dwarf what the process holds besides them.
+PHASE_MODEL = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=64000,
+                   hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False, rope_theta=1e6, torch_dtype="float32")
+PHASE_BATCH = dict(sequences=8, length=256, micro_batch_tokens=1024)
 
 
 def _logits(args, device):
@@ -85,6 +100,59 @@ def run_case(args) -> dict:
     return out
 
 
+def planned_phases(arch, fields: dict, world: int) -> dict:
+    """The memory plan's old_logprobs and actor_update peaks (the largest stage's) for the
+    worker's run: the CPU path, no engine (the worker builds none), nothing else on the rank."""
+    from megarl.parallel_state.dims import ParallelDims
+    from megarl.resharding.destination import RolloutLayout
+    from megarl.trainer import memory_plan as mp
+
+    request = mp.MemoryRequest(arch=arch, dims=ParallelDims(world_size=world, **fields),
+                               rollout=RolloutLayout(1), device_bytes=float("inf"),
+                               actor=mp.TrainedModel(PHASE_BATCH["micro_batch_tokens"]), gpu=False,
+                               colocated=False)
+    stages = mp.plan_memory(request)
+    return {phase: max(s.phases[phase] for s in stages) for phase in ("old_logprobs", "actor_update")}
+
+
+def compare_phases() -> bool:
+    """Launch the worker, plan the same runs, print the comparison; True when every phase is
+    within PHASE_BOUND."""
+    import tempfile
+
+    from megarl.models.hf_config import arch_from_hf_config
+
+    with tempfile.TemporaryDirectory() as hf_dir:
+        with open(os.path.join(hf_dir, "config.json"), "w") as f:
+            json.dump(PHASE_MODEL, f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               os.path.join(os.path.dirname(__file__), "memory_phases.py"), "--hf-dir", hf_dir,
+               "--layouts", json.dumps(PHASE_LAYOUTS), "--sequences", str(PHASE_BATCH["sequences"]),
+               "--length", str(PHASE_BATCH["length"]),
+               "--micro-batch-tokens", str(PHASE_BATCH["micro_batch_tokens"])]
+        # glibc hands freed blocks over 64 KB back to the kernel at once, so the resident set follows
+        # the tensors alive (its default threshold grows up to 32 MB and then keeps them).
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    measured = json.loads(out.strip().splitlines()[-1])
+    arch = arch_from_hf_config(PHASE_MODEL)
+    worst = 0.0
+    for name, fields in PHASE_LAYOUTS:
+        planned = planned_phases(arch, fields, world=2)
+        row = {"case": "plan_vs_measured", "layout": name, "phases": {}}
+        for phase, value in planned.items():
+            error = (value - measured[name][phase]) / measured[name][phase]
+            worst = max(worst, abs(error))
+            row["phases"][phase] = {"planned_gb": round(value / 1e9, 4),
+                                    "measured_gb": round(measured[name][phase] / 1e9, 4),
+                                    "error": round(error, 4)}
+        print(json.dumps(row), flush=True)
+    within = worst <= PHASE_BOUND
+    print(json.dumps({"case": "plan_vs_measured_summary", "layouts": len(PHASE_LAYOUTS),
+                      "worst_error": round(worst, 4), "bound": PHASE_BOUND, "within_bound": within}))
+    return within
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,6 +165,8 @@ def main() -> None:
     parser.add_argument("--full-max-gb", type=float, default=None,
                         help="run the full-width case only while 7x the fp32 logits fit "
                              "(default: 16 on CPU, the GPU's memory on CUDA)")
+    parser.add_argument("--phases-only", action="store_true", help="the plan-vs-measured case alone")
+    parser.add_argument("--no-phases", action="store_true", help="skip the plan-vs-measured case")
     parser.add_argument("--case", choices=["chunked", "full"], help=argparse.SUPPRESS)
     parser.add_argument("--save", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -107,6 +177,9 @@ def main() -> None:
         args.chunk_tokens = DEFAULT_CHUNK_TOKENS
     if args.case:  # a child: one case
         print(json.dumps(run_case(args)), flush=True)
+        return
+    if args.phases_only:
+        compare_phases()
         return
     torch.set_num_threads(min(torch.get_num_threads(), 2)) if args.device == "cpu" else None
     limit = args.full_max_gb
@@ -137,6 +210,8 @@ def main() -> None:
             for key, pairs in blocks.items()}}))
     for path in saved.values():
         os.remove(path)
+    if not args.no_phases and args.device == "cpu":
+        compare_phases()
 
 
 if __name__ == "__main__":

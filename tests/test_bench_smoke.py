@@ -109,8 +109,9 @@ def test_bench_agent():
 
 
 def test_bench_memory():
+    # --no-phases: its plan-vs-measured case is tests/test_memory_plan.py's
     cases = _by_case(_json_lines("bench/bench_memory.py", "--tokens", "512", "--vocab", "2048", "--dtype",
-                                 "float32"))
+                                 "float32", "--no-phases"))
     assert {"chunked", "full"} <= set(cases) and "skipped" not in cases["full"], cases
     # the chunked path computes what the full-width one does, gradients included
     diffs = {k: v for k, v in cases["chunked_vs_full"].items() if k.startswith("max_abs_diff_")}
