@@ -19,7 +19,7 @@ KEYS = [
     "layout.world_size", "layout.tp", "layout.pp", "layout.cp", "layout.ep", "layout.etp", "layout.vpp",
     "layout.first_stage_layers", "layout.last_stage_layers",
     "layout.rollout_tp",
-    "layout.rollout_ep", "layout.sync_bucket_mb", "layout.rollout_world_size",
+    "layout.rollout_ep", "layout.sync_bucket_mb", "layout.rollout_world_size", "layout.gpu_memory_gb",
     "generation.samples_per_prompt", "generation.temperature", "generation.top_p",
     "generation.max_new_tokens", "generation.producer", "generation.kv_cache_gib",
     "generation.agent.tools", "generation.agent.parser", "generation.agent.interaction",

@@ -24,14 +24,17 @@ from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.destination import hf_tensors
 from megarl.rollout import vllm_engine
 from megarl.rollout.vllm_engine import rollout_groups
+from megarl.trainer import memory_plan
 from megarl.trainer.config import RunConfig
 from megarl.trainer.preflight import preflight
 from megarl.trainer.typed_config import load
-from tests.published_configs import DEEPSEEK_V3, GLM45_AIR, MIXTRAL_8X7B, QWEN3_30B_A3B
+from tests.published_configs import DEEPSEEK_V3, GLM45_AIR, MIXTRAL_8X7B, QWEN3_30B_A3B, QWEN3_235B_A22B
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
-PRESETS = {"qwen3_30b_a3b_gpu.yaml": QWEN3_30B_A3B, "mixtral_8x7b_gpu.yaml": MIXTRAL_8X7B,
+PRESETS = {"qwen3_30b_a3b_gpu.yaml": QWEN3_30B_A3B, "qwen3_30b_a3b_1node_gpu.yaml": QWEN3_30B_A3B,
+           "qwen3_235b_a22b_gpu.yaml": QWEN3_235B_A22B, "mixtral_8x7b_gpu.yaml": MIXTRAL_8X7B,
            "glm45_air_gpu.yaml": GLM45_AIR, "deepseek_v3_gpu.yaml": DEEPSEEK_V3}
+ONE_NODE = {"qwen3_30b_a3b_1node_gpu.yaml"}  # the presets for a single node of 8 GPUs
 GPUS_PER_NODE = 8  # the hardware the presets' headers name: nodes of 8 H100
 NODE_BYTES = GPUS_PER_NODE * 80e9
 
@@ -120,7 +123,10 @@ def test_every_config_passes_preflight(name, tmp_path):
     config, arch = load_preset(name, tmp_path)
     assert arch.architecture == PRESETS[name]["architectures"][0] and arch.num_experts
     dims = check_preset(config, arch)
-    assert config.layout.world_size >= 2 * GPUS_PER_NODE, "a cluster preset spans nodes"
+    if name in ONE_NODE:
+        assert config.layout.world_size == GPUS_PER_NODE
+    else:
+        assert config.layout.world_size >= 2 * GPUS_PER_NODE, "a cluster preset spans nodes"
     assert dims.dp > 1, "data parallelism is what scales the batch"
     assert config.actor.optim.lr <= 1e-5, "RL fine-tuning of a pretrained model uses small rates"
 
@@ -187,3 +193,47 @@ def test_fp32_models_are_refused_on_transformer_engine_only(name, tmp_path):
     with pytest.raises(ValueError, match=r"dtype is float32 .*cannot run on packed sequences: use a "
                                          r"bfloat16 checkpoint .*or MEGARL_DEVICE=cpu"):
         check_te_dtype(torch.float32, use_te=True)
+
+
+def preset_memory(name, tmp_path, *overrides):
+    """The memory plan's verdict for a preset, as its preflight plans it."""
+    config, arch = load_preset(name, tmp_path, *overrides)
+    request = memory_plan.request_for_run(config, arch, config.layout.dims(),
+                                          config.layout.gpu_memory_gb * memory_plan.GB, gpu=True,
+                                          runtime_bytes=memory_plan.RUNTIME_RESERVE_GB * memory_plan.GB)
+    return config, memory_plan.summary(request, memory_plan.plan_memory(request))
+
+
+# What the presets turn on to fit, turned off (recompute and optimizer offload).
+UNAIDED = ("actor.recompute.granularity=none", "actor.recompute.method=null",
+           "actor.recompute.num_layers=null", "actor.optimizer_offload.fraction=0.0",
+           "critic.recompute.granularity=none", "critic.recompute.method=null",
+           "critic.recompute.num_layers=null")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_gpu_preset_fits_an_h100_with_headroom(name, tmp_path):
+    """Each preset's memory plan on H100 80 GB: fits with >= 10% to spare at micro-batches of
+    >= 8,192 tokens; and the same preset without recompute and optimizer offload does not fit,
+    the refusal naming the phase and the knobs."""
+    config, verdict = preset_memory(name, tmp_path)
+    assert config.layout.gpu_memory_gb == 80
+    assert config.actor.batching.micro_batch_tokens >= 8192
+    assert verdict["fits"] and verdict["headroom_fraction"] >= 0.10, verdict
+    assert set(verdict["phase_peaks_gb"]) >= {"engine_start", "sync", "generation", "old_logprobs",
+                                              "actor_update", "hf_export"}
+    (tmp_path / "unaided").mkdir()
+    _, unaided = preset_memory(name, tmp_path / "unaided", *UNAIDED)
+    assert not unaided["fits"] and unaided["binding_phase"] == "actor_update", unaided
+    assert "actor.recompute" in memory_plan.refusal(unaided)
+
+
+def test_preflight_refuses_a_run_that_does_not_fit(tmp_path):
+    config, arch = load_preset(QWEN, tmp_path, *UNAIDED)
+    with pytest.raises(ValueError, match=r"its actor_update phase needs [\d.]+ GB per GPU on pipeline "
+                       r"stage 0, of 80.0 GB; set actor.recompute"):
+        check_preset(config, arch)
+    (tmp_path / "engine").mkdir()
+    config, arch = load_preset(QWEN, tmp_path / "engine", "generation.gpu_memory_utilization=0.15")
+    with pytest.raises(ValueError, match=r"holds its 15.285 GB of weights with no room for a KV cache"):
+        check_preset(config, arch)

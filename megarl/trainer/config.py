@@ -63,8 +63,14 @@ class LayoutConfig:
     # the weight sync's bucket (opened engine modules per rank; its round buffers are bounded
     # alike): larger buckets let PP stages send at once (docs/PERFORMANCE.md, cluster scale)
     sync_bucket_mb: int = 256
+    # GB of each GPU the preflight's memory plan checks the run against (trainer/memory_plan.py);
+    # None: this machine's GPU (a driver without one, e.g. a Ray head node, then plans nothing)
+    gpu_memory_gb: Optional[float] = None
 
     def __post_init__(self):
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ValueError(f"layout.gpu_memory_gb={self.gpu_memory_gb} must be > 0 (GB per GPU, e.g. "
+                             "80 for an H100)")
         if self.sync_bucket_mb < 1:
             raise ValueError(f"layout.sync_bucket_mb={self.sync_bucket_mb} must be >= 1 (MiB per rank; "
                              "256 is the default)")

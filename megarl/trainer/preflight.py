@@ -11,6 +11,8 @@ itself applies later.
 
 import os
 
+import torch
+
 from megarl.actor.config import BatchingConfig
 from megarl.actor.optimizer import offload_fields
 from megarl.actor.packing import plan_micro_batches
@@ -24,6 +26,7 @@ from megarl.resharding.destination import RolloutLayout, check_rollout
 from megarl.rollout.agent_loop import uses_tools
 from megarl.rollout.prompts import load_prompts
 from megarl.rollout.vllm_engine import check_engine_ep
+from megarl.trainer import memory_plan
 from megarl.trainer.config import RunConfig
 
 
@@ -87,8 +90,27 @@ def preflight(config: RunConfig) -> ParallelDims:
         _check_batching(config.critic.batching, sequences, longest, dims, "critic")
     for path in config.algo.reward_table.models:
         _check_reward_model(path, dims, longest)
+    _check_memory(config, arch, dims)
     _check_data(config)
     return dims
+
+
+def _check_memory(config: RunConfig, arch: ModelArch, dims: ParallelDims) -> None:
+    """A GPU run's memory plan (trainer/memory_plan.py) against layout.gpu_memory_gb, or this
+    machine's GPU: refused, naming the phase that does not fit and the knobs that would make it
+    fit. CPU runs are not planned (nothing to size them against but the host's RAM)."""
+    gpu_gb = config.layout.gpu_memory_gb
+    if gpu_gb is None:
+        if not device_choice.on_gpu():
+            return
+        gpu_gb = torch.cuda.get_device_properties(0).total_memory / memory_plan.GB
+    rewards = tuple(reward_model_arch(load_hf_config(path), path) for path in config.algo.reward_table.models)
+    request = memory_plan.request_for_run(config, arch, dims, gpu_gb * memory_plan.GB, gpu=True,
+                                          runtime_bytes=memory_plan.RUNTIME_RESERVE_GB * memory_plan.GB,
+                                          reward_models=rewards)
+    verdict = memory_plan.summary(request, memory_plan.plan_memory(request))
+    if not verdict["fits"]:
+        raise ValueError(memory_plan.refusal(verdict))
 
 
 def _check_training_state(config: RunConfig, arch: ModelArch, dims: ParallelDims) -> None:
