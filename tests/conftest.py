@@ -80,6 +80,7 @@ TIERS = {
         "test_a_reward_file_outside_any_package_as_verl_names_it")}),
     "test_rollout_engine": (UNIT, {"test_sampling_parameters_reach_vllm": E2E}),
     "test_routing_replay": E2E,  # vLLM returns routing; the actor replays it
+    "test_routing_holes": UNIT,
     "test_slurm": E2E,
     "test_slurm_env": DISTRIBUTED,  # sources the sbatch scripts' env.sh in bash
     "test_source_layout": UNIT,

@@ -9,9 +9,10 @@ with the engine's.
 
 Owns the per-layer recording, storing it in the batch as [N, L, layers, k] (input-token aligned,
 -1 where nothing was routed), independent of micro-batching and parallel layout, and setting each
-router's targets right before its chunk's forward. Uses Megatron-Core's RouterReplay hooks (the
-router calls them in its top-k); megarl attaches one per router and drives it per instance.
-Does not own which experts a router picks otherwise.
+router's targets right before its chunk's forward: all replayed routing passes there, so that
+is where a token without experts in a MoE layer is refused. Uses Megatron-Core's RouterReplay
+hooks (the router calls them in its top-k); megarl attaches one per router and drives it per
+instance. Does not own which experts a router picks otherwise.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -36,6 +37,28 @@ class _Replay(RouterReplay):
         if self.record_used:
             self.record_indices(indices)
         return probs, indices
+
+
+def replay_targets(rows: torch.Tensor,  # [n, W, k] one MoE layer's routing of mb's samples
+                   mb: PackedMicroBatch, layer: int, topk: int) -> torch.Tensor:
+    """The experts this rank's router replays [t/cp, k]. Every token the engine fed through the
+    model (all of a sample's but its last) must have experts: a -1 there (a token the engine did
+    not capture) is an error, never replaced, or the update would train through experts that
+    sampled nothing."""
+    fed = torch.arange(rows.shape[1])[None, :] < (mb.lengths - 1)[:, None]  # [n, W]
+    missing = fed & (rows < 0).any(-1)
+    if missing.any():
+        row, position = (int(i) for i in missing.nonzero()[0])
+        raise RuntimeError(
+            f"no experts to replay for sample {int(mb.rows[row])} (batch row) at token {position} "
+            f"of its {int(mb.lengths[row])}, MoE layer {layer}; {int(missing.sum())} tokens of "
+            "this micro-batch lack them there. With actor.router_replay=rollout the engine did not "
+            "capture them (vLLM's capture must be bound before CUDA-graph capture: "
+            "megarl/rollout/vllm_routing.py); megarl refuses to route them through arbitrary experts")
+    packed = pack_tokens(rows, mb, -1)[mb.local_index]  # [t/cp, k]
+    # Left -1 now: padding, and a sample's last token (the engine never feeds it back). Any valid
+    # distinct experts do there: nothing downstream reads their output.
+    return torch.where(packed < 0, torch.arange(topk, dtype=packed.dtype), packed)
 
 
 def _unwrapped(chunk) -> torch.nn.Module:
@@ -98,10 +121,7 @@ class RoutingReplay:
         tp, tp_rank = megatron_groups.tensor().size, megatron_groups.tensor().rank
         rows = self.replaying[mb.rows][:, :mb.width]  # [n, W, layers, k]
         for layer, router in self._chunk_routers(chunk):
-            packed = pack_tokens(rows[:, :, layer], mb, -1)[mb.local_index]  # [t/cp, k]
-            # Padding was never routed, nor is a sample's last token by the engine (it is never
-            # fed back): any valid distinct experts do (nothing downstream reads their output).
-            packed = torch.where(packed < 0, torch.arange(self.topk, dtype=packed.dtype), packed)
+            packed = replay_targets(rows[:, :, layer], mb, layer, self.topk)
             if chunk.config.sequence_parallel:
                 packed = packed.chunk(tp)[tp_rank]
             router.router_replay.target_topk_idx = packed.long().to(

