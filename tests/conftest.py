@@ -47,6 +47,9 @@ TIERS = {
     "test_dynamic_sampling": UNIT,
     "test_gpu_smoke": E2E,  # tests/gpu/: skipped without CUDA (tests/gpu/conftest.py)
     "test_hf_config": UNIT,
+    # the export's receives on the links' device; one live export at PP2 on two gloo ranks
+    "test_hf_export": (UNIT, {"test_a_live_export_with_direct_slabs_receives_only_on_the_links_device":
+                              DISTRIBUTED}),
     # make -n: prints the install's commands, runs none
     "test_install": (UNIT, {"test_make_install_selects_environment_lock_and_steps": DISTRIBUTED}),
     "test_layout_parity": DISTRIBUTED,

@@ -3,7 +3,13 @@
 The export is a weight sync into files: `HFDirectoryWriter` takes the place of the rollout engine
 in megarl.resharding.sync_weights with the "hf" layout (rank 0 holds every HF tensor whole), so
 the same plan and transport bring each bucket's tensors to rank 0, which writes them as one
-safetensors file (memory: one bucket, as in a sync).
+safetensors file.
+The transport writes only into tensors on the sync's Links' device (NCCL takes no CPU tensor;
+gloo does, so a CPU run would not show it: transport.py), so the writer opens each bucket's
+tensors on that device, as an engine's are, and copies them to the host when the bucket closes,
+to write its file. Memory: one bucket on the device (the plan's bound, plan.peak_bound, which the
+memory planner books for the export) and, while its file is written, on the host; never the
+whole model. Staging in the transport instead would let it take off-device targets again.
 Writes into OUT.partial and renames it when the index, config and tokenizer files (and the
 untrained MTP layers, copied from the source checkpoint: mtp_weights.py) are in place; MTP
 layers the source declares but lacks stay absent, and the export says so through `say`.
@@ -23,6 +29,7 @@ from safetensors.torch import save_file
 from megarl.models import mtp_weights
 from megarl.models.checkpoint import TOKENIZER_FILES
 from megarl.models.hf_config import ModelArch
+from megarl.parallel_state.links import Links, WorldLinks
 from megarl.resharding.sync import sync_weights
 from megarl.rollout.engine import WeightLayout, WeightUpdateReport
 
@@ -31,18 +38,19 @@ _FP32_TENSORS = ("e_score_correction_bias",)
 
 
 class HFDirectoryWriter:
-    """The RolloutEngine surface sync_weights uses, writing HF files instead of loading them."""
+    """The RolloutEngine surface sync_weights uses, writing HF files instead of loading them;
+    `links`: the sync's (its rank 0 writes; its device holds the received tensors)."""
 
     def __init__(self, out_dir: str, hf_config: dict, assets_dir: str, dtype: torch.dtype,
-                 arch: ModelArch, say: Callable[[str], None]):
+                 arch: ModelArch, say: Callable[[str], None], links: Links):
         self.out_dir, self.hf_config, self.assets_dir, self.dtype = out_dir, hf_config, assets_dir, dtype
-        self.arch, self.say = arch, say
+        self.arch, self.say, self.links = arch, say, links
         self.partial = out_dir.rstrip("/") + ".partial"
-        self.writer = dist.get_rank() == 0
+        self.writer = links.rank == 0
         self.weight_map = {}
 
     def weight_layout(self) -> WeightLayout:
-        return WeightLayout("hf", dist.get_world_size() if dist.is_initialized() else 1)
+        return WeightLayout("hf", self.links.size)
 
     def begin_weight_update(self, expected: Dict[str, Tuple[int, ...]]) -> None:
         self.expected, self.open = expected, {}
@@ -52,15 +60,16 @@ class HFDirectoryWriter:
 
     def open_tensors(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
         self.open = {name: torch.empty(self.expected[name], dtype=torch.float32 if name.endswith(
-            _FP32_TENSORS) else self.dtype) for name in names}
+            _FP32_TENSORS) else self.dtype, device=self.links.device) for name in names}
         return self.open
 
     def close_tensors(self, names: Sequence[str]) -> None:
         if not names:
             return
         filename = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
-        save_file({name: self.open.pop(name) for name in names},
-                  os.path.join(self.partial, filename), metadata={"format": "pt"})
+        # Popped: each device tensor is freed as soon as its host copy exists.
+        host = {name: self.open.pop(name).cpu() for name in names}
+        save_file(host, os.path.join(self.partial, filename), metadata={"format": "pt"})
         self.weight_map.update({name: filename for name in names})
 
     def finish_weight_update(self) -> WeightUpdateReport:
@@ -96,6 +105,8 @@ def export_hf(chunks: List[torch.nn.Module], arch: ModelArch, hf_config: dict, t
     source HF checkpoint) also gives the MTP layers. Rank 0 passes its notes to `say` (the run's
     console in the loop)."""
     dtype = next(chunks[0].parameters()).dtype
-    sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir, dtype, arch, say))
+    links = WorldLinks()
+    sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir, dtype, arch, say, links),
+                 links=links)
     dist.barrier()
     return out_dir

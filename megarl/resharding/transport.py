@@ -10,6 +10,9 @@ own share of the plan (Plan.rank_work). Memory in flight: this rank's buffers of
 (plan.py keeps them within the bucket size). What moves is counted here, message by message as
 it is posted (Traffic), not read back from the plan: the sync reports these counts, and the tests
 hold them against the planner's (tests/test_plan_sync.py).
+Every destination tensor must be on the Links' device, as this module's buffers are: NCCL
+receives only into tensors on its GPU, while gloo takes a CPU tensor as well, so a destination
+elsewhere would pass every CPU test and crash on a GPU. It is refused before anything is posted.
 """
 
 from dataclasses import dataclass, field
@@ -61,10 +64,23 @@ def exchange(rounds: Tuple[Tuple[Copy, ...], ...], links: Links, local: Dict[Tup
     """Fill this rank's `targets` with its copies of one bucket (`Plan.rank_work(rank)[bucket]`),
     round by round, adding what it moves to `traffic`; returns the most bytes of buffers
     allocated at once."""
+    _require_links_device(targets, links)
     peak = 0
     for copies in rounds:
         peak = max(peak, _exchange_round(copies, links, local, targets, traffic))
     return peak
+
+
+def _require_links_device(targets: Dict[str, torch.Tensor], links: Links) -> None:
+    """Every target on `links.device`: what is received goes there straight (a direct slab) or
+    through a buffer of ours (packed, or cast), and the buffers are allocated there."""
+    for name, tensor in targets.items():
+        if tensor.device != links.device:
+            raise RuntimeError(
+                f"weight sync: destination tensor {name} is on {tensor.device}, but the sync's links "
+                f"({links.name}) move tensors on {links.device} (NCCL cannot receive into it): the "
+                f"destination must open its tensors on {links.device} and copy them elsewhere when "
+                f"they are closed, as the HF export does (resharding/hf_export.py)")
 
 
 def _copy_all(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
