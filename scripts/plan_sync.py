@@ -12,7 +12,7 @@ its largest round's buffers, as sync.py counts it), and seconds at the stated li
 Seconds model; every constant has a flag (GB/s: 1e9 bytes/s per GPU per direction). One rank in
 one round of a bucket, in transport.py's order:
   pre     = (its local copies + copies it sends) x --copy-us
-            + (bytes copied locally + bytes packed into send buffers) / --hbm-gbps
+            + bytes copied locally / --hbm-gbps + bytes packed into send buffers / --pack-gbps
   network = max(send, receive): both directions at once (full-duplex links, all of a round's
             messages posted together); send = intra-node bytes / --nvlink-gbps + inter-node
             bytes / --ib-gbps + messages x --message-us (NVLink and InfiniBand add up); receive alike
@@ -24,12 +24,20 @@ the plan, indexed once when the plan is built).
 `seconds` is when the last rank is done under that schedule; `seconds_barrier` makes each phase
 of each round a barrier of all ranks (an upper bound); `seconds_rank_bound` is the busiest rank's own time
 alone (a lower bound).
-Defaults, assumed: H100 SXM NVLink 4 900 GB/s bidirectional -> 450; one 400 Gb/s InfiniBand NIC
-per GPU -> 50; 10 us a message; 100 us a round. Measured on one H100 (cluster_plan.Links): HBM
-copy 1500 GB/s. 5 us a Copy: its views and its share of the round's batched copy
-(bench/bench_sync_copies.py: 6.3-6.7 us on a 2-core CPU machine, views 4.5 us; not measured on a
-GPU host); one launch per slab, as the transport wrote copies before it batched them, was 25 us on
-an H100 (--copy-us 25).
+Defaults of --copy-us, --hbm-gbps and --pack-gbps:
+measured on one H100, 2026-11-26, megarl's transport: bench/bench_sync_copies.py --device cuda
+(--experts 128 --hidden 2048 --width 768: a Qwen3-30B-A3B TP8 rank's 393 KB expert slabs;
+--experts 64 --hidden 7168 --width 2048: 3.67 MB slabs; cluster_plan.Links says more):
+  --copy-us 7.3    a batched Copy (its views + its share of the round's torch._foreach_copy_):
+                   7.3 us at 393 KB slabs, 10.0 us at 3.67 MB (7.3 + bytes / 1482 GB/s charges
+                   7.57 and 9.78 us)
+  --hbm-gbps 1482  a plain 1 GiB device copy: local copies and unpacking (the same batched copy)
+  --pack-gbps 222  packing a send buffer with torch.cat (393 KB slabs, their views included)
+Assumed: H100 SXM NVLink 4 900 GB/s bidirectional -> 450; one 400 Gb/s InfiniBand NIC per GPU
+-> 50; 10 us a message; 100 us a round. One launch per slab, as the transport wrote copies before
+it batched them, was 25 us on an H100 (--copy-us 25). Until 2026-11-26 the defaults were 5 us a
+Copy (measured on a 2-core CPU machine) and 1500 GB/s for local copies, packing and unpacking
+alike (--copy-us 5 --hbm-gbps 1500 --pack-gbps 1500).
 Not modelled: the engine's per-module processing after a load (vLLM's process_weights_after_
 loading), contention between ranks on a shared switch or PCIe link, NCCL's channel limits.
 
@@ -59,10 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ib-gbps", type=float, default=links.ib_gbps,
                         help="GB/s per GPU per direction across nodes (400 Gb/s InfiniBand = 50)")
     parser.add_argument("--hbm-gbps", type=float, default=links.hbm_gbps,
-                        help="GB/s of a device-memory copy (local copies, packing, unpacking)")
+                        help="GB/s of a device-memory copy: local copies and unpacking (H100: 1482)")
+    parser.add_argument("--pack-gbps", type=float, default=links.pack_gbps,
+                        help="GB/s of packing a send buffer with torch.cat (H100, 393 KB slabs: 222)")
     parser.add_argument("--message-us", type=float, default=links.message_us, help="per P2P message")
     parser.add_argument("--copy-us", type=float, default=links.copy_us,
-                        help="per Copy of the plan a rank handles (its launches and Python)")
+                        help="per Copy of the plan a rank handles (its views and its share of the "
+                             "round's batched copy; H100: 7.3)")
     parser.add_argument("--round-us", type=float, default=links.round_us, help="per round of a bucket")
     parser.add_argument("--max-regions", type=int, default=cp.MAX_REGIONS,
                         help="above this many destination regions, plan one engine per distinct placement")
@@ -89,8 +100,9 @@ def build(args: argparse.Namespace) -> cp.ClusterPlan:
     arch = cp.arch_of(_load_config(args.hf_config), args.dtype)
     dims = cp.train_dims(args.train, args.nodes * args.gpus_per_node)
     rollout = cp.rollout_layout(args.rollout)
-    links = cp.Links(args.nvlink_gbps, args.ib_gbps, args.hbm_gbps, args.message_us, args.copy_us,
-                     args.round_us)
+    links = cp.Links(nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps, hbm_gbps=args.hbm_gbps,
+                     pack_gbps=args.pack_gbps, message_us=args.message_us, copy_us=args.copy_us,
+                     round_us=args.round_us)
     return cp.plan_cluster(arch, dims, rollout, args.gpus_per_node, int(args.bucket_mb * 2**20), links,
                            max_regions=10**18 if args.all_engines else args.max_regions)
 

@@ -66,9 +66,10 @@ def _copy(src, dst, numel, dim=0, tensor="m.w", itemsize_dtype="torch.float32"):
 def test_seconds_arithmetic_by_hand():
     """Ranks 0, 1 on node 0, rank 2 on node 1. One round: rank 1 sends rank 0 a direct slab of
     4e6 bytes over NVLink, rank 2 sends it two packed slabs of 1e5 bytes over InfiniBand (one
-    message), and rank 0 copies 3e6 bytes locally."""
-    links = cp.Links(nvlink_gbps=0.1, ib_gbps=0.01, hbm_gbps=1.0, message_us=10, copy_us=2,
-                     round_us=100)
+    message), and rank 0 copies 3e6 bytes locally. Packing has its own rate (0.5 GB/s here):
+    unpacking goes at the copy rate (hbm_gbps), as the transport unpacks with the batched copy."""
+    links = cp.Links(nvlink_gbps=0.1, ib_gbps=0.01, hbm_gbps=1.0, pack_gbps=0.5, message_us=10,
+                     copy_us=2, round_us=100)
     copies = (_copy(1, 0, 1_000_000), _copy(2, 0, 25_000, dim=1), _copy(2, 0, 25_000, dim=1),
               _copy(0, 0, 750_000))
     tensors = {0: (DestTensor("m.w", (5_000, 1_000), (Region("c", 0, 0, 5_000, 0),)),)}
@@ -83,12 +84,30 @@ def test_seconds_arithmetic_by_hand():
     expect0 = pre + network + post + 1e-4
     assert r0.seconds == pytest.approx(expect0)
     assert (r0.terms["pre"], r0.terms["network"], r0.terms["post"]) == pytest.approx((pre, network, post))
-    # rank 2: pre: 2 copies x 2 us + packs 2e5 bytes; send 2e5 / 0.01e9 + 1 message; no post
-    assert r2.seconds == pytest.approx(4e-6 + 2e-4 + 0.02 + 1e-5 + 1e-4)
+    # rank 2: pre: 2 copies x 2 us + packs 2e5 bytes at 0.5 GB/s; send 2e5 / 0.01e9 + 1 message;
+    # no post
+    assert r2.seconds == pytest.approx(4e-6 + 4e-4 + 0.02 + 1e-5 + 1e-4)
+    assert r2.terms["pre"] == pytest.approx(4e-6 + 4e-4)
     # Rank 0 posts last (its pre is the longest) and has the most to receive: it ends the sync.
     assert timing.seconds == timing.seconds_barrier == timing.seconds_rank_bound == pytest.approx(expect0)
     # Peak: the opened tensor (5e6 elements x 4 bytes) + the round's buffers (2e5 packed bytes).
     assert r0.peak_bytes == 20_000_000 + 200_000
+
+
+def test_default_constants_are_the_h100_measurements():
+    """scripts/plan_sync.py's defaults are what bench/bench_sync_copies.py --device cuda measured
+    on one H100 (2026-11-26) against megarl's transport: a batched Copy 7.3 us (393 KB slabs of a
+    Qwen3-30B-A3B TP8 rank; 10.0 us at 3.67 MB), torch.cat packing 222 GB/s, a plain 1 GiB copy
+    1482 GB/s. The model charges a slab copy_us + bytes / hbm_gbps: within 5% of both Copy
+    measurements (they were 1.34-1.38x the earlier 5 us + bytes / 1500 GB/s). The help text
+    names the source."""
+    links = cp.DEFAULT_LINKS
+    assert (links.copy_us, links.pack_gbps, links.hbm_gbps) == (7.3, 222.0, 1482.0)
+    for slab_bytes, measured_us in ((393_216, 7.3), (3_670_016, 10.0)):
+        charged_us = links.copy_us + slab_bytes / (links.hbm_gbps * 1e9) * 1e6
+        assert charged_us == pytest.approx(measured_us, rel=0.05), slab_bytes
+    assert "measured on one H100, 2026-11-26, megarl's transport: bench/bench_sync_copies.py " \
+        "--device cuda" in _script()._parser().format_help()
 
 
 def test_rounds_run_in_parallel_unless_they_share_a_rank():

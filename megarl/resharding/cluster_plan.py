@@ -91,19 +91,33 @@ def arch_of(config: dict, dtype: Optional[str] = None) -> ModelArch:
 @dataclass(frozen=True)
 class Links:
     """The cost model's constants. GB/s are 1e9 bytes per second, per GPU, per direction.
-    Measured on one H100 80GB HBM3 (torch 2.11, 2026-11-23): hbm_gbps (a 1 GiB bf16 copy_).
-    copy_us: the host work per Copy a rank handles. transport.py builds each Copy's source and
-    target views and writes a round's copies with one torch._foreach_copy_: 6.3-6.7 us a Copy
-    with 24 KB slabs on this project's 2-core CPU machine, the views alone 4.5 us
-    (bench/bench_sync_copies.py); taken as 5 us on a GPU host, where the copies of dense slabs
-    share kernel launches. One launch per slab (narrow + copy_ of a 1.5 MB expert slab on that
-    H100, launch-bound, 23.7-25.8 us) is what the transport did before it batched: --copy-us 25.
+    Measured on one H100 80GB HBM3, 2026-11-26 (torch 2.11), against megarl's transport:
+    `python bench/bench_sync_copies.py --device cuda --experts 128 --hidden 2048 --width 768` (a
+    Qwen3-30B-A3B TP8 rank's expert slabs, 393 KB) and `... --experts 64 --hidden 7168 --width
+    2048` (3.67 MB slabs), each timing ending with a synchronize:
+    - copy_us 7.3: the time per Copy a rank handles, host work and its share of the kernels.
+      transport.py builds each Copy's source and target views and writes a round's copies with
+      one torch._foreach_copy_: 7.3 us a Copy (`batched_us_per_copy`) at 393 KB, 10.0 us at 3.67
+      MB. Charged copy_us + bytes / hbm_gbps, that is 7.57 us and 9.78 us (+4%, -2% of the
+      measurements; the earlier 5 us + bytes / 1500 GB/s charged 5.26 us and 7.45 us, 1.38x and
+      1.34x too little).
+    - hbm_gbps 1482: a plain warm 1 GiB bf16 copy_ (`plain_copy_GBps`). It charges the bytes of
+      local copies and of unpacking: the transport writes received slabs out of their buffer with
+      the same batched torch._foreach_copy_ it writes local copies with, which copy_us measured.
+    - pack_gbps 222: packing a send buffer, the transport's torch.cat of the same 393 KB slabs
+      (`pack_GBps`), 6.7x slower than a plain copy: 1.8 us a slab where the bytes alone take 0.27
+      us, the rest per-slab host work (its inputs' views, not measured apart). copy_us, which
+      every Copy a rank sends also pays, charges views too: a conservative charge for packed sends.
+    One launch per slab (narrow + copy_ of a 1.5 MB expert slab on that H100, launch-bound,
+    23.7-25.8 us) is what the transport did before it batched: --copy-us 25. On this project's
+    2-core CPU machine a batched Copy of 24 KB slabs costs 6.3-6.7 us, 4.5 us of it the views.
     Assumed: the link speeds (nominal), message_us, round_us."""
     nvlink_gbps: float = 450.0   # H100 SXM NVLink 4: 900 GB/s bidirectional / 2
     ib_gbps: float = 50.0        # one 400 Gb/s InfiniBand NIC per GPU (DGX H100: 8 x CX-7)
-    hbm_gbps: float = 1500.0     # device-memory copy, bytes copied per second
+    hbm_gbps: float = 1482.0     # device-memory copy (local copies, unpacking), bytes per second
+    pack_gbps: float = 222.0     # packing a send buffer (torch.cat of its slabs), bytes per second
     message_us: float = 10.0     # per P2P message sent or received (NCCL send/recv)
-    copy_us: float = 5.0         # per Copy a rank handles (source or destination): views + its
+    copy_us: float = 7.3         # per Copy a rank handles (source or destination): views + its
                                  # share of the round's batched copy
     round_us: float = 100.0      # per round (batch_isend_irecv + wait, buffers, engine open/close)
 
@@ -168,15 +182,16 @@ class RankStats:
 
 def _phases(s: Dict[str, int], links: Links) -> Dict[str, float]:
     """One rank's round in the order transport._exchange_round runs it, in seconds: `pre` (its
-    local copies and packing what it sends: launches + device copies), `network` (the slower
-    direction: links are full duplex and all messages are posted at once; within a direction
-    NVLink and InfiniBand bytes add up), `post` (writing what it received: launches + unpacking)."""
+    local copies and packing what it sends: per-Copy host work + local bytes at the copy rate +
+    packed bytes at the packing rate), `network` (the slower direction: links are full duplex and
+    all messages are posted at once; within a direction NVLink and InfiniBand bytes add up), `post`
+    (writing what it received: per-Copy host work + unpacked bytes at the copy rate)."""
     send = (s["sent_intra"] / links.nvlink_gbps + s["sent_inter"] / links.ib_gbps) / 1e9 \
         + s["messages"] * links.message_us * 1e-6
     recv = (s["recv_intra"] / links.nvlink_gbps + s["recv_inter"] / links.ib_gbps) / 1e9 \
         + s["messages_received"] * links.message_us * 1e-6
-    copy_s, hbm_s = links.copy_us * 1e-6, 1 / (links.hbm_gbps * 1e9)
-    return {"pre": s["copies_pre"] * copy_s + (s["local_bytes"] + s["packed_sent"]) * hbm_s,
+    copy_s, hbm_s, pack_s = links.copy_us * 1e-6, 1 / (links.hbm_gbps * 1e9), 1 / (links.pack_gbps * 1e9)
+    return {"pre": s["copies_pre"] * copy_s + s["local_bytes"] * hbm_s + s["packed_sent"] * pack_s,
             "network": max(send, recv),
             "post": s["copies_post"] * copy_s + s["packed_received"] * hbm_s}
 
@@ -464,8 +479,9 @@ def arithmetic(st: RankStats, links: Links) -> str:
         return (f"{gb(intra)} / {links.nvlink_gbps:g} + {gb(inter)} / {links.ib_gbps:g} GB/s + {messages} "
                 f"msgs x {links.message_us:g} us = {seconds:.3f} s")
     t, hbm = st.terms, links.hbm_gbps
-    return (f"rank {st.rank}: pre {st.copies_pre} copies x {links.copy_us:g} us + ({gb(st.local_bytes)} "
-            f"local + {gb(st.packed_sent)} packed) / {hbm:g} GB/s = {t.get('pre', 0):.3f} s; "
+    return (f"rank {st.rank}: pre {st.copies_pre} copies x {links.copy_us:g} us + {gb(st.local_bytes)} "
+            f"local / {hbm:g} GB/s + {gb(st.packed_sent)} packed / {links.pack_gbps:g} GB/s = "
+            f"{t.get('pre', 0):.3f} s; "
             f"network: receive {direction(st.recv_intra, st.recv_inter, st.messages_received)}, send "
             f"{direction(st.sent_intra, st.sent_inter, st.messages)}, the larger per round, summed "
             f"= {t.get('network', 0):.3f} s; post {st.copies_post} copies x {links.copy_us:g} us + "
