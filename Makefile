@@ -59,6 +59,7 @@ lint: install
 # docs/PERFORMANCE.md). Serial on purpose: they time things, and this machine has 2 cores.
 bench: install
 	@$(BIN)/python bench/bench_sync.py --quick
+	@$(BIN)/python bench/bench_sync_plan.py --quick
 	@$(BIN)/python bench/bench_sync_copies.py --quick
 	@$(BIN)/python bench/bench_rollout.py --quick
 	@$(BIN)/python bench/bench_train.py --quick

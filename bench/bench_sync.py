@@ -5,7 +5,8 @@
 For every case (model size x dtype x training layout x rollout TP x world size) this launcher
 starts one torchrun world running this file with --worker, which loads a random checkpoint into
 the Megatron actor, builds a colocated vLLM engine, and times:
-  sync   megarl.resharding.sync_weights (median of --repeats after one warm-up),
+  sync   megarl.resharding.sync_weights (median of --repeats after one warm-up, which builds
+         the plan the others reuse),
   floor  one copy_ of the model's bytes into a buffer already written once, in one process
          (memory bandwidth alone, median); the same copy into a fresh buffer (torch.empty +
          copy_, page faults included: the floor before issue 33) is reported beside it,
@@ -321,9 +322,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _time_syncs(chunks, arch, engine, bucket_bytes: int, repeats: int) -> dict:
-    """The sync's median over `repeats` after one warm-up, its split, and its last report
-    (memory and bytes: the worst rank's)."""
+def _time_syncs(chunks, arch, engine, bucket_bytes: int, repeats: int, after_warmup=None) -> dict:
+    """The sync's median over `repeats` after one warm-up (which builds the plan the others
+    reuse), its split, and its last report (memory and bytes: the worst rank's). `after_warmup`
+    runs between the warm-up and the timed syncs."""
     import torch
     import torch.distributed as dist
 
@@ -339,6 +341,8 @@ def _time_syncs(chunks, arch, engine, bucket_bytes: int, repeats: int) -> dict:
         reports.append(report)
 
     warmup = _timed(sync)
+    if after_warmup is not None:
+        after_warmup()
     syncs, engine_load, engine_finish = [], [], []
     for _ in range(repeats):
         syncs.append(_timed(sync))
@@ -349,7 +353,9 @@ def _time_syncs(chunks, arch, engine, bucket_bytes: int, repeats: int) -> dict:
     # Per rank, then the worst: received over own shard, planned and measured peak over bound.
     mine = torch.tensor([report.bytes_received / max(report.shard_bytes, 1), report.bytes_received,
                          report.peak_extra_bytes, report.measured_peak_bytes,
-                         report.measured_peak_bytes / bound, report.messages], dtype=torch.float64)
+                         report.measured_peak_bytes / bound, report.messages,
+                         sum(r.plan_built for r in reports), reports[0].plan_seconds,
+                         max((r.plan_seconds for r in reports[1:]), default=0.0)], dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return {
         "buckets": report.buckets,
@@ -360,6 +366,9 @@ def _time_syncs(chunks, arch, engine, bucket_bytes: int, repeats: int) -> dict:
         "max_received_over_shard": round(float(mine[0]), 4),
         "max_bytes_received_per_rank": int(mine[1]), "max_messages_per_rank": int(mine[5]),
         "peak_extra_bytes": int(mine[2]), "measured_peak_bytes": int(mine[3]),
+        # syncs that built their plan (the warm-up only: the others reuse it), and planning's seconds
+        "plans_built": int(mine[6]), "first_plan_seconds": round(float(mine[7]), 4),
+        "max_later_plan_seconds": round(float(mine[8]), 5),
         "largest_tensor_bytes": report.largest_tensor_bytes, "peak_bound_bytes": bound,
         "peak_within_bound": float(mine[4]) <= 1.0,
         "params_synced": report.params_synced, "params_expected": report.params_expected,
@@ -466,15 +475,15 @@ def worker(args) -> None:
     arch = load_arch(args.hf_dir, dtype=args.dtype)
     chunks = build_model(arch, dims, perform_initialization=False)
     load_hf_weights(chunks, arch, args.hf_dir)
-    if args.logprob_check:
-        verify.perturb(chunks, arch, 0.05, seed=0)  # so that only a working sync can match
     vllm = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, dtype=arch.dtype, max_model_len=128)
     engine = TimedEngine(vllm)
     bucket_bytes = int(args.bucket_mb * 2**20)
 
     result = {"family": arch.family, "dtype": arch.dtype, "layout": dims.describe(),
               "rollout_tp": args.rollout_tp, "world_size": world, "bucket_bytes": bucket_bytes}
-    result.update(_time_syncs(chunks, arch, engine, bucket_bytes, args.repeats))
+    # Perturbed after the warm-up, so that only a working sync that reuses the warm-up's plan can match.
+    perturb = (lambda: verify.perturb(chunks, arch, 0.05, seed=0)) if args.logprob_check else None
+    result.update(_time_syncs(chunks, arch, engine, bucket_bytes, args.repeats, perturb))
     element = torch.empty(0, dtype=arch.torch_dtype).element_size()
     result["params"] = result["model_bytes"] // element
     if args.logprob_check:

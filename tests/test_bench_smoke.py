@@ -21,8 +21,8 @@ def _by_case(lines: list, key: str = "case") -> dict:
     return {line[key]: line for line in lines}
 
 
-SMOKED = {"bench_sync", "bench_sync_copies", "bench_rollout", "bench_train", "bench_step", "bench_async",
-          "bench_rewards", "bench_agent", "bench_memory"}
+SMOKED = {"bench_sync", "bench_sync_plan", "bench_sync_copies", "bench_rollout", "bench_train", "bench_step",
+          "bench_async", "bench_rewards", "bench_agent", "bench_memory"}
 
 
 def test_every_bench_make_bench_runs_is_smoked_here():
@@ -38,8 +38,16 @@ def test_bench_sync(tmp_path):
     result, summary = lines
     assert result["case"] == case and "error" not in result, result
     assert result["sync_seconds"] > 0 and result["naive_seconds"] > 0, result
-    assert result["max_abs_logprob_diff"] <= 1e-4, result  # the actor was perturbed: only a sync matches
+    # The actor was perturbed after the first sync: only the second, on the first's plan, matches.
+    assert result["plans_built"] == 1 and result["max_abs_logprob_diff"] <= 1e-4, result
     assert summary["summary"] and summary["cases"] == 1 and summary["failed"] == [], summary
+
+
+def test_bench_sync_plan():
+    (result,) = _json_lines("bench/bench_sync_plan.py", "--quick", "--repeats", "3")
+    assert result["plans_built"] == 1 and result["reused_same_plan"], result  # built once, then found
+    assert result["first_build_s"] > 0 and result["reuse_s"] > 0 and result["planned_sync_s"] > 0, result
+    assert result["rank_copies"] > 0 and result["buckets"] > 1, result
 
 
 def test_bench_sync_copies():

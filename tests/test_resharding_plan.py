@@ -15,9 +15,11 @@ from megarl.models import weight_tables
 from megarl.models.hf_config import ModelArch
 from megarl.models.param_layout import ParamSlot, local_shard
 from megarl.parallel_state.dims import ParallelDims
+from megarl.resharding import metadata, sync
 from megarl.resharding.destination import VLLM_VOCAB_PADDING, RolloutLayout, hf_tensors, vllm_layout
 from megarl.resharding.plan import Piece, build_plan
 from megarl.resharding.source_layout import layout_pieces
+from megarl.rollout.engine import WeightLayout
 
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -242,7 +244,37 @@ def test_buckets_hold_whole_modules_and_rounds_fit_the_bucket():
                     buffers[r] = buffers.get(r, 0) + c.nbytes
             assert len(packed) <= 1 or max(buffers.values()) <= 4096
             assert i == 0 or len(packed) == len(copies)  # local and direct copies: round 0
-    assert build_plan(pieces, layout, 4096, None, RolloutLayout(1).engines(2)) is small  # cached
+    # deterministic: equal inputs, an equal plan (a sync keeps its own share: sync.rank_plan)
+    assert build_plan(pieces, layout, 4096, None, RolloutLayout(1).engines(2)) == small
+
+
+def test_a_sync_builds_its_plan_once_per_layout_and_shapes():
+    """sync.rank_plan, which every sync calls: equal arguments find the same RankPlan without
+    building again (metadata.Gathered compares its key only, never a piece), and any change of
+    a rank's shapes (its digest), of the layout or of the bucket size builds another. The
+    RankPlan is this rank's share of the very plan build_plan makes."""
+    arch = _arch(num_layers=4, vocab_size=200)  # vLLM pads it to 256 rows
+    pieces = layout_pieces(arch, ParallelDims(world_size=2, pp=2))
+    digests = tuple(metadata.digest([p for p in pieces if p.rank == r]) for r in range(2))
+    vllm = WeightLayout("vllm", 2)
+
+    def find(key=("world", digests), layout=vllm, bucket=4096):
+        return sync.rank_plan(arch, layout, metadata.Gathered(key, tuple(pieces)), bucket, (0, 0), 1)
+
+    sync.rank_plan.cache_clear()
+    first = find()
+    assert find() is first and sync.rank_plan.cache_info().misses == 1
+    plan = build_plan(pieces, tuple(sorted(vllm_layout(arch, RolloutLayout(1), 2).items())), 4096, (0, 0),
+                      RolloutLayout(1).engines(2))
+    mine = plan.tensors[1]
+    assert [rounds for _, rounds in first.buckets] == list(plan.rank_work(1))
+    assert [names for names, _ in first.buckets] == [
+        tuple(t.name for t in mine if t.module in b.modules.get(1, ())) for b in plan.buckets]
+    assert first.expected == {t.name: t.shape for t in mine} and first.shard_bytes == plan.shard_bytes(1)
+    assert first.padded == {t.name for t in mine if t.covered < t.numel} != set()  # vocabulary rows
+    others = [find(key=("world", (digests[0], digests[1] + 1))), find(layout=WeightLayout("vllm", 2, 2)),
+              find(bucket=8192), find(key=("bridge", digests))]
+    assert all(other is not first for other in others) and sync.rank_plan.cache_info().misses == 5
 
 
 @pytest.mark.parametrize("seed", range(4))

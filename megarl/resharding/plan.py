@@ -3,8 +3,10 @@ of which rank, in which bucket.
 
 Pure and deterministic: a function of the pieces every training rank holds (metadata.py, or
 source_layout.py without any weights), of every destination rank's tensors (destination.py), of
-the bucket size and of which node each rank is on. Cached per layout pair, so a run builds it
-once; testable with fake metadata, no processes; the cluster planner runs the very same code.
+the bucket size and of which node each rank is on. Built once per layout and weights' shapes
+(sync.rank_plan keeps each rank's share; this module caches nothing: its inputs are millions of
+objects, too many to hash on every sync); testable with fake metadata, no processes; the cluster
+planner runs the very same code.
 
 Each destination region is cut by the TP shards that hold it, and each cut is read from one
 replica of its shard (DP/CP/EP copies): the destination rank itself when it holds one (a local
@@ -17,7 +19,6 @@ indexed once with the plan, so a sync never walks other ranks' copies.
 """
 
 import collections
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -298,7 +299,6 @@ def _engine_of(engines: Tuple[Tuple[int, ...], ...], receiving: List[int]) -> Di
     return engine_of
 
 
-@functools.lru_cache(maxsize=16)
 def build_plan(pieces: Tuple[Piece, ...], layout: Tuple[Tuple[int, Tuple[DestTensor, ...]], ...],
                bucket_bytes: int, node_of: Optional[Tuple[int, ...]] = None,
                engines: Optional[Tuple[Tuple[int, ...], ...]] = None) -> Plan:

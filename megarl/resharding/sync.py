@@ -4,14 +4,16 @@ The one public call of megarl.resharding. Collective over its Links: the trainin
 engines are colocated, the trainer-rollout bridge when they are disaggregated (the sources are
 then the trainer ranks, the destination the rollout ranks from the layout's first_rank). Each rank
 receives only the bytes of its own engine shard, point to point, and writes them straight into
-the engine's tensors (see plan.py and transport.py); the metadata exchange and the plan happen
-once per layout pair, not once per sync.
+the engine's tensors (see plan.py and transport.py). The destination layout, the plan and this
+rank's share of it are built by the first sync of a layout and weights' shapes; later ones
+exchange one digest per rank, find that share as it was built (rank_plan) and only move bytes.
 """
 
+import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
@@ -19,7 +21,7 @@ from megarl.models.hf_config import ModelArch
 from megarl.parallel_state import device_memory
 from megarl.parallel_state.links import Links, WorldLinks
 from megarl.resharding import destination, metadata, transport
-from megarl.resharding.plan import Plan, build_plan
+from megarl.resharding.plan import Copy, Plan, build_plan
 from megarl.rollout.engine import WeightDestination, WeightLayout, check_update
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -31,6 +33,9 @@ class SyncReport:
     params_expected: int      # engine parameters that exist
     buckets: int
     sync_seconds: float
+    plan_seconds: float       # of sync_seconds: reading and exchanging the metadata and finding this
+                              # rank's plan, or building it (the first sync of a layout and shapes)
+    plan_built: bool          # this sync built its plan (False: it reused an earlier sync's)
     # Counted by the transport as it posts each message (transport.Traffic), not from the plan:
     bytes_received: int       # this rank, from other ranks
     bytes_sent: int           # this rank, to other ranks
@@ -70,6 +75,52 @@ def node_of_ranks(world: int) -> Tuple[int, ...]:
     return tuple(rank // per_node for rank in range(world))
 
 
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """One rank's share of a plan, as a sync reads it. The whole plan (every rank's copies: 2.4M
+    at Qwen3-235B TP8) is dropped once this is taken from it. `buckets`: per bucket, the tensors
+    this rank opens (in its layout's order, which the engine finishes modules in) and its own
+    copies, round by round (Plan.rank_work)."""
+    buckets: Tuple[Tuple[Tuple[str, ...], Tuple[Tuple[Copy, ...], ...]], ...]
+    expected: Dict[str, Tuple[int, ...]]  # this rank's destination tensors: name -> shape
+    padded: FrozenSet[str]          # those with rows no copy writes (vocabulary padding): zeroed
+    shard_bytes: int
+    model_bytes: int
+    largest_tensor_bytes: int       # its largest destination module (opened at once)
+
+
+@functools.lru_cache(maxsize=4)  # a run syncs into its engines and exports to HF: two layouts
+def rank_plan(arch: ModelArch, weight_layout: WeightLayout, gathered: metadata.Gathered,
+              bucket_bytes: int, node_of: Tuple[int, ...], rank: int) -> RankPlan:
+    """This rank's share of the plan from `gathered`'s pieces into `weight_layout`, built on the
+    first call and the same object on every later one with equal arguments. Every argument is
+    a few small values (Gathered hashes its key only), so finding it costs microseconds; the
+    layout and the plan themselves are millions of objects, which hashing and comparing on every
+    sync cost seconds at Qwen3-235B. Any change of layout, bucket size or any rank's weight shapes
+    changes an argument, and builds a new one."""
+    layout, engines = layout_tensors(arch, weight_layout)
+    plan = build_plan(gathered.pieces, tuple(sorted(layout.items())), bucket_bytes, node_of, engines)
+    return _share(plan, rank, metadata.model_bytes(gathered.pieces),
+                  torch.empty((), dtype=arch.torch_dtype).element_size())
+
+
+def _share(plan: Plan, rank: int, model_bytes: int, itemsize: int) -> RankPlan:
+    mine = plan.tensors.get(rank, ())
+    bucket_of = {module: b for b, bucket in enumerate(plan.buckets)
+                 for module in bucket.modules.get(rank, ())}
+    names: List[List[str]] = [[] for _ in plan.buckets]
+    module_numel: Dict[str, int] = {}
+    for tensor in mine:
+        if tensor.module in bucket_of:
+            names[bucket_of[tensor.module]].append(tensor.name)
+        module_numel[tensor.module] = module_numel.get(tensor.module, 0) + tensor.numel
+    return RankPlan(buckets=tuple(zip(map(tuple, names), plan.rank_work(rank))),
+                    expected={t.name: t.shape for t in mine},
+                    padded=frozenset(t.name for t in mine if t.covered < t.numel),
+                    shard_bytes=plan.shard_bytes(rank), model_bytes=model_bytes,
+                    largest_tensor_bytes=max(module_numel.values(), default=0) * itemsize)
+
+
 @torch.no_grad()
 def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightDestination,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, links: Optional[Links] = None) -> SyncReport:
@@ -78,45 +129,36 @@ def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightD
     `links`: the ranks of the sync (None: the default world)."""
     start = time.perf_counter()
     links = links or WorldLinks()
-    rank = links.rank
-    mine, local = metadata.local_pieces(chunks, arch, rank)
-    pieces = metadata.all_pieces(mine, links)
-    weight_layout = engine.weight_layout()
-    layout, engines = layout_tensors(arch, weight_layout)
-    plan = build_plan(pieces, tuple(sorted(layout.items())), bucket_bytes, node_of_ranks(links.size),
-                      engines)
+    mine, local = metadata.local_pieces(chunks, arch, links.rank)
+    misses = rank_plan.cache_info().misses
+    work = rank_plan(arch, engine.weight_layout(), metadata.gather(mine, links), bucket_bytes,
+                     node_of_ranks(links.size), links.rank)
+    built = rank_plan.cache_info().misses > misses
+    planned = time.perf_counter()
     with device_memory.measured() as measured:  # the engine's finishing work (repacking) too
-        peak, traffic = _stream(plan, engine, local, links)
+        peak, traffic = _stream(work, engine, local, links)
         report = check_update(engine.finish_weight_update())
-    module_bytes: Dict[str, int] = {}
-    for tensor in plan.tensors.get(rank, ()):
-        module_bytes[tensor.module] = module_bytes.get(tensor.module, 0) + tensor.numel
-    itemsize = torch.empty((), dtype=arch.torch_dtype).element_size()
     return SyncReport(params_synced=report.params_loaded, params_expected=report.params_expected,
-                      buckets=len(plan.buckets), sync_seconds=time.perf_counter() - start,
+                      buckets=len(work.buckets), sync_seconds=time.perf_counter() - start,
+                      plan_seconds=planned - start, plan_built=built,
                       bytes_received=sum(traffic.received.values()), bytes_sent=sum(traffic.sent.values()),
                       local_bytes=traffic.local_bytes, messages=traffic.messages_sent,
                       messages_received=traffic.messages_received, received_from=traffic.received,
-                      sent_to=traffic.sent, shard_bytes=plan.shard_bytes(rank),
+                      sent_to=traffic.sent, shard_bytes=work.shard_bytes,
                       peak_extra_bytes=peak, measured_peak_bytes=measured.extra_bytes,
-                      model_bytes=metadata.model_bytes(pieces),
-                      largest_tensor_bytes=max(module_bytes.values(), default=0) * itemsize)
+                      model_bytes=work.model_bytes, largest_tensor_bytes=work.largest_tensor_bytes)
 
 
-def _stream(plan: Plan, engine: WeightDestination, local: Dict[Tuple[str, int], torch.Tensor],
+def _stream(work: RankPlan, engine: WeightDestination, local: Dict[Tuple[str, int], torch.Tensor],
             links: Links) -> Tuple[int, transport.Traffic]:
     """Every bucket into the engine, in plan order; returns (planned peak extra bytes, what the
     transport moved)."""
-    rank = links.rank
-    mine = {t.name: t for t in plan.tensors.get(rank, ())}
-    engine.begin_weight_update({name: t.shape for name, t in mine.items()})
+    engine.begin_weight_update(dict(work.expected))  # a copy: the engine may keep it
     peak, traffic = 0, transport.Traffic()
-    for bucket, rounds in zip(plan.buckets, plan.rank_work(rank)):
-        modules = set(bucket.modules.get(rank, ()))
-        names = [name for name, t in mine.items() if t.module in modules]
+    for names, rounds in work.buckets:
         targets = engine.open_tensors(names)
         for name in names:
-            if mine[name].covered < mine[name].numel:  # padding rows nothing writes
+            if name in work.padded:  # padding rows nothing writes
                 targets[name].zero_()
         opened = sum(t.numel() * t.element_size() for t in targets.values())
         buffers = transport.exchange(rounds, links, local, targets, traffic)
