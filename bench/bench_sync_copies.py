@@ -9,11 +9,11 @@ round of local copies, each a gate or up slab of one expert into vLLM's fused `w
 a TP8 engine takes of Qwen3-MoE experts, scaled down), against one `copy_` per slab (what the
 transport did before it batched a round's writes) and against building the views alone (the
 part no batching removes). Prints one JSON object: microseconds per Copy for each; and the two
-bandwidths the planner's --hbm-gbps stands for: packing a send buffer (the transport's torch.cat
-of the same slabs) and one plain warm copy of --copy-mib MiB. With --device cuda the tensors live
-on the GPU and each timing ends with a synchronize, so a Copy's time is its host work plus its
-share of the kernels. The GPU figures in docs/PERFORMANCE.md (a Qwen3-30B-A3B TP8 rank's slabs,
-and DeepSeek-V3-sized ones):
+bandwidths the planner takes: packing a send buffer (the transport's torch.cat of the same slabs:
+plan_sync.py --pack-gbps) and one plain warm copy of --copy-mib MiB (--hbm-gbps). With --device
+cuda the tensors live on the GPU and each timing ends with a synchronize, so a Copy's time is its
+host work plus its share of the kernels. The GPU figures in docs/PERFORMANCE.md (a Qwen3-30B-A3B
+TP8 rank's slabs, and DeepSeek-V3-sized ones):
   python bench/bench_sync_copies.py --device cuda --experts 128 --hidden 2048 --width 768
   python bench/bench_sync_copies.py --device cuda --experts 64 --hidden 7168 --width 2048
 """
