@@ -4,6 +4,7 @@ Owns the arithmetic and its validation, done before any process group exists.
 Does not own process groups: see `megatron_groups.py` for the one adapter to Megatron-Core.
 """
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import List, Optional
@@ -101,6 +102,14 @@ class ParallelDims:
         first = [self.first_stage_layers] if self.first_stage_layers is not None else []
         last = [self.last_stage_layers] if self.last_stage_layers is not None else []
         return first + counts + last
+
+    def chunk_layers(self, num_layers: int) -> List[range]:
+        """The global layer indices of each model chunk, in chunk order: Megatron gives chunk
+        c = vp_stage * pp + pp_rank the c-th run of stage_layers (get_transformer_layer_offset),
+        so pipeline rank r holds chunks r, r + pp, ..."""
+        counts = self.stage_layers(num_layers)
+        starts = itertools.accumulate([0] + counts)
+        return [range(start, start + count) for start, count in zip(starts, counts)]
 
     @property
     def expert_tp(self) -> int:

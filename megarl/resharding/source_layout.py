@@ -97,11 +97,9 @@ def _mla_shapes(arch: ModelArch, tp: int) -> Dict[str, Tuple[Tuple[int, ...], Op
 
 
 def _stage_of_layers(arch: ModelArch, dims: ParallelDims) -> List[int]:
-    """The pipeline rank building each layer: Megatron gives model chunk c = vp_stage * pp +
-    pp_rank the c-th run of ParallelDims.stage_layers (get_transformer_layer_offset; uneven
-    stages go without VPP)."""
-    return [chunk % dims.pp for chunk, count in enumerate(dims.stage_layers(arch.num_layers))
-            for _ in range(count)]
+    """The pipeline rank building each layer (uneven stages go without VPP)."""
+    return [chunk % dims.pp for chunk, layers in enumerate(dims.chunk_layers(arch.num_layers))
+            for _ in layers]
 
 
 def _tensors(arch: ModelArch, dims: ParallelDims, role: str) -> List[_Tensor]:

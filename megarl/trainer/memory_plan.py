@@ -101,15 +101,6 @@ def micro_batch_tokens(budget: Optional[int], micro_batches: int, sequences: int
     return max(len(part) for rank in plan for part in rank) * longest
 
 
-def _stage_chunks(arch: ModelArch, dims: ParallelDims, stage: int) -> List[List[int]]:
-    """The global layer indices of each model chunk of pipeline rank `stage` (chunk c of the
-    model is vp_stage * pp + pp_rank, as source_layout places them)."""
-    counts = dims.stage_layers(arch.num_layers)
-    starts = [sum(counts[:c]) for c in range(len(counts))]
-    return [list(range(starts[c], starts[c] + counts[c]))
-            for c in range(stage, len(counts), dims.pp)]
-
-
 def _in_flight(dims: ParallelDims, stage: int) -> int:
     """Model chunks' micro-batches whose activations a 1F1B rank holds at its peak: pp - stage
     without interleaving; with VPP Megatron's warm-up of (pp - stage - 1) * 2 + (vpp - 1) * pp
@@ -133,7 +124,7 @@ def _activations(request: MemoryRequest, model: TrainedModel, stage: int, logits
     arch, dims = request.arch, request.dims
     dtype_bytes = DTYPES[arch.dtype].itemsize
     tokens = math.ceil(model.micro_batch_tokens / dims.cp)
-    chunks = _stage_chunks(arch, dims, stage)
+    chunks = dims.chunk_layers(arch.num_layers)[stage::dims.pp]  # this pipeline rank's
     per_chunk = [stage_bytes_per_token(arch, dims, layers, dtype_bytes, request.gpu, model.recompute)
                  for layers in chunks]
     kept, recomputing = max(k for k, _ in per_chunk), max(r for _, r in per_chunk)
