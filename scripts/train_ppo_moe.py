@@ -7,6 +7,7 @@ bar and errors; each process's full output goes to run_dir/logs/ (--verbose: to 
 import argparse
 import os
 
+from megarl.parallel_state import device_choice
 from megarl.trainer import console
 from megarl.trainer.config import RunConfig
 from megarl.trainer.preflight import preflight
@@ -26,6 +27,8 @@ def main():
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
     args = parser.parse_args()
     config = load(RunConfig, args.config, args.overrides)
+    # Before anything asks (the choice is cached); Ray workers inherit the variable.
+    device_choice.set_transformer_engine(config.model.transformer_engine)
     # Held for the log: run_dir is made only once the config passed.
     with console.caught_warnings(args.verbose) as early:
         preflight(config)  # a run that cannot work is refused before any process starts
@@ -35,12 +38,21 @@ def main():
         rank = int(os.environ["RANK"])
         with console.output(config.run_dir, f"rank{rank}", args.verbose, early_warnings=early,
                             tell=rank == 0):
+            _say_backend(rank == 0)
             train(config, args.resume)
     else:
         from megarl.trainer.launch import launch
 
         with console.output(config.run_dir, "driver", args.verbose, early_warnings=early, tell=True):
+            _say_backend(True)
             launch(config, args.ray_address, args.resume, args.verbose)
+
+
+def _say_backend(tell: bool) -> None:
+    """A GPU run without Transformer Engine says so first (device_choice.te_off_line)."""
+    line = device_choice.startup_line()
+    if tell and line:
+        console.say(line)
 
 
 if __name__ == "__main__":

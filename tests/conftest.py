@@ -92,6 +92,7 @@ TIERS = {
     "test_streaming_rollout": E2E,  # partial rollouts on a real vLLM engine
     "test_trainer_checkpoint": UNIT,
     "test_trainer_flops": UNIT,
+    "test_transformer_engine_choice": UNIT,
     "test_typed_config": UNIT,
     "test_value_model": DISTRIBUTED,
     "test_weight_sync": (E2E, {"test_stale_shared_memory_segments_are_removed": UNIT}),

@@ -13,6 +13,7 @@ from megarl.trainer.config import LayoutConfig, RunConfig
 KEYS = [
     "run_dir", "steps", "seed", "offload_params", "collective_timeout_s",
     "model.hf_dir", "model.megatron_dir", "model.router_fp32", "model.expert_bias_update_rate",
+    "model.transformer_engine",
     "data.path", "data.prompt_key", "data.answer_key", "data.data_source_key", "data.extra_info_key",
     "data.max_prompt_len", "data.overlong_prompts",
     "data.prompts_per_step", "data.seed",

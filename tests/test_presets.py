@@ -107,7 +107,8 @@ def check_demo(name: str, tmp_path) -> ParallelDims:
                                     f"data.path={tmp_path / 'train.jsonl'}"])
     # The CPU path whatever machine runs this: the demo models are fp32, which Transformer Engine
     # refuses on packed sequences (test_fp32_models_are_refused_on_transformer_engine_only).
-    with mock.patch.object(device_choice, "on_gpu", lambda: False):
+    with mock.patch.object(device_choice, "on_gpu", lambda: False), \
+            mock.patch.object(device_choice, "uses_transformer_engine", lambda: False):
         return preflight(config)
 
 
@@ -163,13 +164,13 @@ def test_moe_routers_run_in_fp32_unless_turned_off(name, tmp_path):
 
 
 def test_gpu_switches_on_the_gpu_path_only():
-    assert not any(gpu_switches(False, interleaved=False, grad_accum_kernel=True).values())
-    on = gpu_switches(True, interleaved=False, grad_accum_kernel=True)
+    assert not any(gpu_switches(False, False, interleaved=False, grad_accum_kernel=True).values())
+    on = gpu_switches(True, True, interleaved=False, grad_accum_kernel=True)
     assert all(on.values()), on
     # Megatron refuses batched p2p with the overlapped p2p of an interleaved schedule; without
     # apex's kernel its own linears cannot fuse gradient accumulation
-    assert gpu_switches(True, interleaved=True, grad_accum_kernel=True)["batch_p2p_comm"] is False
-    no_apex = gpu_switches(True, interleaved=False, grad_accum_kernel=False)
+    assert gpu_switches(True, True, interleaved=True, grad_accum_kernel=True)["batch_p2p_comm"] is False
+    no_apex = gpu_switches(True, True, interleaved=False, grad_accum_kernel=False)
     assert no_apex["gradient_accumulation_fusion"] is False
 
 
@@ -177,9 +178,8 @@ def test_gpu_switches_on_the_gpu_path_only():
 def test_megatron_accepts_the_gpu_switches_for_each_preset(name, tmp_path):
     config, arch = load_preset(name, tmp_path)
     dims = config.layout.dims()
-    switches = gpu_switches(True, interleaved=dims.vpp is not None, grad_accum_kernel=True)
-    # RoPE fusion is TE's kernel, which Megatron looks for when validating: not importable here
-    switches["apply_rope_fusion"] = False
+    # As on a GPU without TE (not importable here): no RoPE fusion, TE's kernel
+    switches = gpu_switches(True, False, interleaved=dims.vpp is not None, grad_accum_kernel=True)
     built = transformer_config(arch, dims, **config.model.transformer_overrides(), **switches)
     assert built.bias_activation_fusion and built.bias_dropout_fusion and built.masked_softmax_fusion
     assert built.batch_p2p_comm is (dims.vpp is None)

@@ -125,13 +125,16 @@ def test_offload_settings_and_the_optimizer_config_they_make():
     fields = offload_fields(OptimizerOffloadConfig(fraction=0.5), torch.bfloat16, on_gpu=True, use_te=True)
     assert fields == dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5,
                           use_precision_aware_optimizer=True, pin_cpu_grads=True, pin_cpu_params=True)
+    # Without Transformer Engine on a GPU too: the precision-aware optimizer's TE version check is
+    # no_te_compat's, and the GPU half steps with torch's Adam, as on the CPU path.
+    assert offload_fields(OptimizerOffloadConfig(fraction=0.5), torch.bfloat16, on_gpu=True,
+                          use_te=False) == fields
     narrow = OptimizerOffloadConfig(exp_avg_dtype="bf16", exp_avg_sq_dtype="fp8")
     assert offload_fields(narrow, torch.bfloat16, on_gpu=True, use_te=True) == dict(
         use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.uint8)
     whole = OptimizerOffloadConfig(fraction=1.0)
     refused = [(narrow, torch.bfloat16, False, False, "need Transformer Engine's FusedAdam"),
-               (whole, torch.float32, False, False, "needs a bf16 or fp16 model"),
-               (whole, torch.bfloat16, True, False, "needs Transformer Engine")]
+               (whole, torch.float32, False, False, "needs a bf16 or fp16 model")]
     for offload, dtype, on_gpu, use_te, message in refused:
         with pytest.raises(ValueError, match=message):
             offload_fields(offload, dtype, on_gpu=on_gpu, use_te=use_te)

@@ -23,7 +23,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.actor.packing import PackedMicroBatch
 from megarl.actor.schedule import run_micro_batches
-from megarl.models.layer_spec import uses_transformer_engine
 from megarl.parallel_state import device_choice
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -142,11 +141,6 @@ def offload_fields(offload: OptimizerOffloadConfig, params_dtype: torch.dtype, o
         raise ValueError(f"optimizer_offload.fraction={offload.fraction} needs a bf16 or fp16 model "
                          "(Megatron 0.16's offload cannot step float32 parameters): train in bf16, "
                          "or set fraction to 0")
-    if offload.fraction and on_gpu and not use_te:
-        raise ValueError(f"optimizer_offload.fraction={offload.fraction} needs Transformer Engine on a GPU: "
-                         "Megatron's offload rides on the precision-aware optimizer, whose config "
-                         "reads TE's version (optimizer_config.py:383): install transformer-engine, "
-                         "or set fraction to 0")
     if offload.narrow_moments:
         return dict(use_precision_aware_optimizer=True, exp_avg_dtype=MOMENT_DTYPES[offload.exp_avg_dtype],
                     exp_avg_sq_dtype=MOMENT_DTYPES[offload.exp_avg_sq_dtype])
@@ -188,7 +182,7 @@ class TrainState:
                  offload: OptimizerOffloadConfig = NO_OFFLOAD):
         model_config = chunks[0].config
         offloaded = offload_fields(offload, model_config.params_dtype, device_choice.on_gpu(),
-                                   uses_transformer_engine())
+                                   device_choice.uses_transformer_engine())
         model_config.calculate_per_token_loss = True  # DDP reads it when built: sum, not average
         model_config.finalize_model_grads_func = _sum_grads
         # On GPUs the gradient reduce of a bucket overlaps the rest of the backward (NCCL streams);

@@ -12,7 +12,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 
 from megarl.models.hf_config import ModelArch
-from megarl.models.layer_spec import decoder_spec, uses_transformer_engine
+from megarl.models.layer_spec import decoder_spec
 from megarl.models.megatron_config import padded_vocab_size, transformer_config
 from megarl.models.value_head import ValueHead
 from megarl.parallel_state import device_choice, megatron_groups
@@ -28,7 +28,7 @@ def build_model(arch: ModelArch, dims: ParallelDims, role: str = "policy", meta:
     (TE's layers hold the same parameters) and no initialization."""
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {ROLES}")
-    use_te = uses_transformer_engine() and not meta
+    use_te = device_choice.uses_transformer_engine() and not meta
     if meta:
         config_overrides.update(use_cpu_initialization=True, perform_initialization=False)
     config = transformer_config(arch, dims, use_te=use_te, **config_overrides)

@@ -1,4 +1,5 @@
-"""Transformer layer spec: Transformer Engine's on the GPU path, else megarl's portable one.
+"""Transformer layer spec: Transformer Engine's where the run uses it
+(device_choice.uses_transformer_engine), else megarl's portable one.
 
 Both write the same checkpoint keys. TE fuses the attention's input norm into `linear_qkv`
 (`self_attention.linear_qkv.layer_norm_weight`) and, in a dense layer, the MLP's norm into
@@ -36,21 +37,6 @@ from megatron.core.transformer.transformer_layer import (
 
 from megarl.models.hf_config import ModelArch
 from megarl.models.portable_layers import PortableCoreAttention, RMSNorm
-from megarl.parallel_state import device_choice
-
-
-def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def uses_transformer_engine() -> bool:
-    """Whether this process builds with Transformer Engine: the GPU path with TE importable (the
-    one decision build_model, TrainState and preflight share)."""
-    return transformer_engine_available() and device_choice.on_gpu()
 
 
 class PortableSpecProvider(LocalSpecProvider):

@@ -89,8 +89,8 @@ def recompute_fields(recompute: RecomputeConfig, arch: ModelArch, dims: Parallel
         modules = list(recompute.modules or ("core_attn",))
         needs_te = sorted(set(modules) & set(TE_RECOMPUTE_MODULES))
         if needs_te and not use_te:
-            raise ValueError(f"recompute.modules {needs_te} need Transformer Engine (absent here, or "
-                             "off on CPU): recompute core_attn, mlp, moe or shared_experts instead")
+            raise ValueError(f"recompute.modules {needs_te} need Transformer Engine (absent or off "
+                             "here): recompute core_attn, mlp, moe or shared_experts instead")
         model_only = {"moe": arch.num_experts, "moe_act": arch.num_experts,
                       "shared_experts": arch.shared_expert_ffn, "mla_up_proj": arch.mla}
         absent = sorted(m for m in modules if m in model_only and not model_only[m])
@@ -111,18 +111,28 @@ def recompute_fields(recompute: RecomputeConfig, arch: ModelArch, dims: Parallel
                 recompute_num_layers=n)
 
 
-def gpu_switches(on_gpu: bool, interleaved: bool, grad_accum_kernel: bool) -> dict:
+def gpu_switches(on_gpu: bool, use_te: bool, interleaved: bool, grad_accum_kernel: bool) -> dict:
     """Pure: the fused kernels and batched p2p, on the GPU path only. On the CPU path there are
     no kernels to fuse, and unbatched p2p keeps the two directions of a 2-stage pipeline apart
     (gloo matches messages per peer in order). Batched p2p cannot go with the overlapped p2p of
     an interleaved schedule (Megatron refuses both). Gradient-accumulation fusion needs apex's
-    fused_weight_gradient_mlp_cuda for Megatron's own linears (the output layer); TE's linears
-    bring their own."""
+    fused_weight_gradient_mlp_cuda for Megatron's own linears (the output layer, and every linear
+    of the portable spec); TE's linears bring their own.
+    Without Transformer Engine (`use_te` False, on a GPU too) only RoPE fusion goes: Megatron's
+    RoPE kernel is TE's (rope_utils imports it from extensions.transformer_engine, and
+    TransformerConfig refuses the switch without it; with TE installed but off the switch would
+    run TE's kernel). MLA's fused RoPE is a Triton kernel Megatron calls experimental; it goes
+    with TE's, so a run without TE computes RoPE as the CPU suite checks it. The others are
+    Megatron's own: the bias-SwiGLU and bias-dropout-add fusions are torch.jit / torch.compile
+    functions (fusions/fused_bias_swiglu.py, fused_bias_dropout.py), and the masked-softmax kernel
+    is read by Megatron's DotProductAttention only, which neither spec builds. The TE-only MoE
+    fusions (moe_permute_fusion, moe_router_fusion) stay at their default, off; the grouped GEMM
+    is TE's (transformer_config: moe_grouped_gemm=use_te)."""
     return dict(
         bias_activation_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=on_gpu,
+        apply_rope_fusion=on_gpu and use_te,
         gradient_accumulation_fusion=on_gpu and grad_accum_kernel,
         batch_p2p_comm=on_gpu and not interleaved,
     )
@@ -136,8 +146,8 @@ def check_te_dtype(dtype: torch.dtype, use_te: bool) -> None:
     if use_te and dtype == torch.float32:
         raise ValueError("the model's dtype is float32 (its config.json torch_dtype), which Transformer "
                          "Engine's attention cannot run on packed sequences: use a bfloat16 "
-                         "checkpoint (torch_dtype / dtype 'bfloat16' in config.json), or "
-                         "MEGARL_DEVICE=cpu for the portable layers")
+                         "checkpoint (torch_dtype / dtype 'bfloat16' in config.json), or the portable "
+                         "layers: model.transformer_engine=false on the GPU, or MEGARL_DEVICE=cpu")
 
 
 def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtype = None,
@@ -202,7 +212,7 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
         variable_seq_lengths=True,
         # Interleaving overlaps p2p with compute as Megatron-LM does.
         overlap_p2p_comm=dims.vpp is not None,
-        **gpu_switches(on_gpu, dims.vpp is not None, _grad_accum_fusion_available),
+        **gpu_switches(on_gpu, use_te, dims.vpp is not None, _grad_accum_fusion_available),
         moe_token_dispatcher_type="alltoall",  # the only dispatcher that allows variable lengths
         cp_comm_type="p2p" if use_te and dims.cp > 1 else None,
         **moe,

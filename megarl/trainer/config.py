@@ -3,13 +3,14 @@ megarl.trainer.typed_config from YAML plus dotted overrides and validated before
 Does not own what runs (megarl/trainer/loop.py)."""
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 from megarl.actor.config import ActorConfig
 from megarl.algos import pick
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS, LONE_GROUPS, WHITENED_BY_DEFAULT
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.critic.config import CriticConfig
+from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import RewardTable
 from megarl.rollout.agent_loop import AgentConfig
@@ -25,10 +26,14 @@ class ModelConfig:
     # DeepSeek-style routers (GLM-4.5, DeepSeek-V3): how far each optimizer step moves the
     # aux-loss-free expert bias toward even loads (Megatron's update; 0 freezes the bias).
     expert_bias_update_rate: float = 1e-3
+    # auto: Transformer Engine's layer spec and kernels on a GPU when it imports; true: required;
+    # false: Megatron's portable layer spec on CUDA too (said in the run's first lines).
+    transformer_engine: Union[bool, str] = "auto"
 
     def __post_init__(self):
         if not self.hf_dir:
             raise ValueError("model.hf_dir is required (an HF checkpoint folder)")
+        device_choice.te_setting(self.transformer_engine, device_choice.TE_KEY)
         if self.expert_bias_update_rate < 0:
             raise ValueError(f"model.expert_bias_update_rate={self.expert_bias_update_rate} must be "
                              ">= 0 (0 keeps the checkpoint's expert bias)")

@@ -18,7 +18,6 @@ from megarl.actor.optimizer import offload_fields
 from megarl.actor.packing import plan_micro_batches
 from megarl.actor.passes import mini_batch_rows
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config, reward_model_arch
-from megarl.models.layer_spec import uses_transformer_engine
 from megarl.models.megatron_config import check_te_dtype, transformer_config
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
@@ -73,11 +72,12 @@ def _check_data(config: RunConfig) -> None:
 def preflight(config: RunConfig) -> ParallelDims:
     """Raise ValueError/FileNotFoundError naming the values if `config` cannot run; returns the
     validated layout."""
-    device_choice.on_gpu()  # MEGARL_DEVICE against this machine: what is missing, named, first
+    # MEGARL_DEVICE and MEGARL_TRANSFORMER_ENGINE against this machine: what is missing, named, first
+    use_te = device_choice.uses_transformer_engine()
     arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
     dims = config.layout.dims()
-    transformer_config(arch, dims)  # the builder's check_model, then Megatron's own checks
-    check_te_dtype(arch.torch_dtype, use_te=device_choice.on_gpu())
+    transformer_config(arch, dims, use_te=use_te)  # the builder's check_model, then Megatron's
+    check_te_dtype(arch.torch_dtype, use_te=use_te)
     _check_training_state(config, arch, dims)
     _check_rollout(config, arch)
     longest = config.data.max_prompt_len + config.generation.max_new_tokens
@@ -116,7 +116,7 @@ def _check_memory(config: RunConfig, arch: ModelArch, dims: ParallelDims) -> Non
 def _check_training_state(config: RunConfig, arch: ModelArch, dims: ParallelDims) -> None:
     """Recompute and optimizer offload of the actor (and the critic when the run has one) on this
     machine, as build_model and TrainState will apply them."""
-    on_gpu, use_te = device_choice.on_gpu(), uses_transformer_engine()
+    on_gpu, use_te = device_choice.on_gpu(), device_choice.uses_transformer_engine()
     sections = {"actor": config.actor} | ({"critic": config.critic} if config.algo.uses_critic else {})
     for section, role in sections.items():
         try:

@@ -2,7 +2,7 @@
 frozen dataclasses.
 
 Owns parsing and checking: unknown keys name the allowed ones, values are checked against the
-field's type (int, float, bool, str, Optional, Tuple, Dict, nested dataclass) with the key's full path
+field's type (int, float, bool, str, Optional, Union, Tuple, Dict, nested dataclass) with the key's full path
 in the message, and each dataclass's own __post_init__ validation runs as it is built: all before
 any process group or engine exists. A key that is a Python keyword (`async`) is the field of that
 name with a trailing underscore (`async_`).
@@ -60,8 +60,16 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
     if origin is typing.Union:
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, path)
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) == 1:
+            return _coerce(value, kinds[0], path)
+        for inner in kinds:  # the first that takes it: Union[bool, str] reads off as False, auto as 'auto'
+            try:
+                return _coerce(value, inner, path)
+            except ValueError:
+                pass
+        names = " or ".join(getattr(k, "__name__", str(k)) for k in kinds)
+        raise ValueError(f"{path} must be {names}, got {value!r} ({type(value).__name__})")
     if dataclasses.is_dataclass(kind):
         if not isinstance(value, dict):
             raise ValueError(f"{path} must be a section (mapping), got {value!r}")
