@@ -93,6 +93,7 @@ TIERS = {
     "test_trainer_checkpoint": UNIT,
     "test_trainer_flops": UNIT,
     "test_transformer_engine_choice": UNIT,
+    "test_two_node_ray": E2E,  # a two-node Ray cluster on this machine, one step of the demo
     "test_typed_config": UNIT,
     "test_value_model": DISTRIBUTED,
     "test_weight_sync": (E2E, {"test_stale_shared_memory_segments_are_removed": UNIT}),

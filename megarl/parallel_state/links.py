@@ -6,10 +6,14 @@ the bridge between trainer and rollout ranks when they are disaggregated (Bridge
 group of its own, made from the launcher's store; roles.py). A bridge group is not part of any
 default world, so torch.distributed's group-rank bookkeeping does not know it: BridgeLinks calls
 the process group's own send/recv/allgather, grouped into one NCCL launch per round as
-torch.distributed.batch_isend_irecv does.
+torch.distributed.batch_isend_irecv does, and waits for each with the bridge's timeout: a peer
+that died or hangs (a rollout engine) fails the wait with a RuntimeError within it, on NCCL as on
+gloo, which the trainer answers by replacing the engine (trainer/disaggregated_rollouts.py).
 """
 
+import contextlib
 import datetime
+import os
 import pickle
 from typing import List, Protocol, Sequence, Tuple
 
@@ -58,11 +62,32 @@ class WorldLinks:
                 request.wait()
 
 
-class BridgeLinks:
-    """A process group over both roles, outside the default world."""
+@contextlib.contextmanager
+def _blocking_wait():
+    """ProcessGroupNCCL reads TORCH_NCCL_BLOCKING_WAIT when constructed: a group made within
+    starts no watchdog, so a failed or timed-out operation raises in the thread that waits for it
+    (after aborting the group's communicator). Without it the watchdog takes the whole process down
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING's default), not the RuntimeError a dead engine's replacement
+    starts from; the training world's own groups keep the watchdog."""
+    before = os.environ.get("TORCH_NCCL_BLOCKING_WAIT")
+    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TORCH_NCCL_BLOCKING_WAIT"]
+        else:
+            os.environ["TORCH_NCCL_BLOCKING_WAIT"] = before
 
-    def __init__(self, name: str, group, rank: int, size: int, device: torch.device):
+
+class BridgeLinks:
+    """A process group over both roles, outside the default world; every operation on it raises
+    a RuntimeError once `timeout` passes without it completing."""
+
+    def __init__(self, name: str, group, rank: int, size: int, device: torch.device,
+                 timeout: datetime.timedelta):
         self.name, self.group, self.rank, self.size, self.device = name, group, rank, size, device
+        self.timeout = timeout
 
     @classmethod
     def start(cls, name: str, store, rank: int, size: int, timeout: datetime.timedelta) -> "BridgeLinks":
@@ -70,20 +95,26 @@ class BridgeLinks:
         store = dist.PrefixStore(name, store)
         device = _device()
         if device.type == "cuda":
-            group = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            with _blocking_wait():
+                group = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             group = dist.ProcessGroupGloo(store, rank, size, timeout)
-        return cls(name, group, rank, size, device)
+        return cls(name, group, rank, size, device, timeout)
+
+    def _wait(self, work) -> None:
+        work.wait(self.timeout)
 
     def all_gather_object(self, obj) -> list:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        self.group.allgather([sizes], [torch.tensor([data.numel()], device=self.device)]).wait()
+        self._wait(self.group.allgather([sizes], [torch.tensor([data.numel()], device=self.device)]))
         longest = max(int(s) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
         padded[:data.numel()] = data
         parts = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-        self.group.allgather([parts], [padded]).wait()
+        self._wait(self.group.allgather([parts], [padded]))
         return [pickle.loads(part[:int(n)].cpu().numpy().tobytes()) for part, n in zip(parts, sizes)]
 
     def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> None:
@@ -95,7 +126,7 @@ class BridgeLinks:
         works: List = [self.group.send([t], peer, 0) for t, peer in sends]
         works += [self.group.recv([t], peer, 0) for t, peer in recvs]
         if coalesced:
-            self.group._end_coalescing(self.device).wait()
+            self._wait(self.group._end_coalescing(self.device))
         else:
             for work in works:
-                work.wait()
+                self._wait(work)

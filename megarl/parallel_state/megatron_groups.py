@@ -65,7 +65,13 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
     mpu.initialize_model_parallel(
         **dims.megatron_sizes(),
         distributed_timeout_minutes=timeout_s / 60,  # Megatron makes a timedelta of it: no rounding
-        create_gloo_process_groups=device_choice.on_gpu(),
+        # Megatron's gloo copies of its data-parallel groups serve only its distributed
+        # optimizer's own checkpoint formats (the parameter state gathered over them); megarl
+        # saves each rank's optimizer state itself (trainer/checkpoint.py) and builds the
+        # optimizer without them (use_gloo_process_groups=False). On GPUs they would be unused
+        # groups, each one more gloo mesh that must find a routable interface on a multi-node job
+        # (GLOO_SOCKET_IFNAME). On the CPU the groups themselves are gloo.
+        create_gloo_process_groups=False,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

@@ -105,7 +105,8 @@ class DisaggregatedRollouts:
             try:
                 sync_weights(chunks, arch, self.engine, self.config.layout.sync_bucket_mb * 2**20,
                              links=self.role.bridge)
-            except RuntimeError as error:  # gloo/NCCL: "Connection closed by peer" when an engine died
+            except RuntimeError as error:  # an engine died: "Connection closed by peer", or the bridge's
+                # wait ran past collective_timeout_s (NCCL, or a peer that never answers: links.py)
                 failure = error
             status = torch.tensor([failure is None], dtype=torch.int32, device=self.role.bridge.device)
             dist.all_reduce(status, op=dist.ReduceOp.MIN)

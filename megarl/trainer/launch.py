@@ -6,9 +6,10 @@ a GPU and a CPU each on a GPU cluster), packed, numbers the ranks node by node (
 TP group or a rollout engine that would span two nodes is refused; with rollout ranks of their
 own, the first world_size ranks train and the rest roll out), starts one worker per slot with the
 torch.distributed environment (rank, world, local rank, master address and port) and the
-driver's NCCL/device settings (worker_env.py), and waits for all of them. `ray.init()` starts a
-local cluster when there is none; `ray_address` joins an existing one (e.g. the one a Slurm job
-started).
+driver's NCCL/device settings (worker_env.py; gloo's interface, unless given, chosen on each
+node), and waits for all of them; each rank's log starts with its node and the settings it got.
+`ray.init()` starts a local cluster when there is none; `ray_address` joins an existing one (e.g.
+the one a Slurm job started).
 Unless verbose, each worker writes its output to run_dir/logs/rank<R>.log and Ray forwards none of
 it: rank 0's megarl lines and progress come through a queue and the driver draws them (console.py).
 Does not own the loop (loop.py).
@@ -20,7 +21,7 @@ from typing import Optional, Tuple
 from megarl.resharding.destination import RolloutLayout
 from megarl.trainer import console, placement
 from megarl.trainer.config import RunConfig
-from megarl.trainer.worker_env import worker_env
+from megarl.trainer.worker_env import gloo_interface, node_interfaces, route_address, worker_env
 
 
 class _Worker:
@@ -29,6 +30,9 @@ class _Worker:
         # LOCAL_WORLD_SIZE as torchrun sets it: the weight sync reads the node of each rank from it.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                           LOCAL_WORLD_SIZE=str(local_world), MASTER_ADDR=master, MASTER_PORT=str(port))
+        gloo = gloo_interface(os.environ, node_interfaces(), route_address(master))
+        if gloo is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = gloo
 
     def node(self) -> str:
         import ray
@@ -46,10 +50,18 @@ class _Worker:
 
     def train(self, config: RunConfig, resume: Optional[str], verbose: bool, inbox) -> dict:
         """The loop, its output in this rank's log; megarl's lines to `inbox` (rank 0) if given."""
+        import ray
+
         from megarl.trainer.loop import train
 
         rank = os.environ["RANK"]
         with console.output(config.run_dir, f"rank{rank}", verbose, forward=inbox):
+            # Where this rank runs and the network settings it runs with: what a multi-node hang
+            # is first checked against.
+            settings = " ".join(f"{k}={v}" for k, v in sorted(worker_env(os.environ, gpus=False).items()))
+            print(f"megarl: rank {rank} of {os.environ['WORLD_SIZE']} on Ray node {self.node()} "
+                  f"({ray.util.get_node_ip_address()}), local rank {os.environ['LOCAL_RANK']} of "
+                  f"{os.environ['LOCAL_WORLD_SIZE']}; settings: {settings or 'none'}", flush=True)
             return train(config, resume)
 
 

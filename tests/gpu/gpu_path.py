@@ -1,8 +1,8 @@
 """Worker: what megarl chooses in this environment, through the calls the smoke runs make:
-device_choice.on_gpu(), the process group's backend, the classes of the model build_model makes
-(Transformer Engine's layer spec or megarl's portable one) and the platform vLLM runs on. Every
-choice is made from the environment alone, so the runs started with the same one made the same.
-Prints one JSON line."""
+device_choice.on_gpu(), the backend of the default process group and of every group made, the
+classes of the model build_model makes (Transformer Engine's layer spec or megarl's portable one)
+and the platform vLLM runs on. Every choice is made from the environment alone, so the runs
+started with the same one made the same. Prints one JSON line."""
 
 import argparse
 import json
@@ -27,6 +27,8 @@ def main():
     print(json.dumps({
         "on_gpu": device_choice.on_gpu(),
         "backend": torch.distributed.get_backend(),
+        "group_backends": sorted({torch.distributed.get_backend(group)
+                                  for group in torch.distributed.distributed_c10d._world.pg_map}),
         "param_device": next(chunks[0].parameters()).device.type,
         "modules": sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in chunks[0].modules()}),
         "vllm_platform": current_platform.device_type,

@@ -47,6 +47,8 @@ def inputs(tmp_path_factory):
 def test_megarl_takes_the_gpu_path(inputs):
     probe = last_json(run("tests/gpu/gpu_path.py", "--hf-dir", str(inputs / "model"), env=GPU))
     assert probe["on_gpu"] and probe["backend"] == "nccl" and probe["param_device"] == "cuda", probe
+    # Megatron's groups are NCCL only: no gloo copies, which megarl never uses (megatron_groups.py)
+    assert probe["group_backends"] == ["nccl"], probe
     # Transformer Engine's layer spec: its attention, fused norm + QKV and grouped expert GEMMs.
     te = {TE + name for name in ("TEDotProductAttention", "TELayerNormColumnParallelLinear",
                                  "TEColumnParallelGroupedLinear")}
