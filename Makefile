@@ -29,7 +29,8 @@ AFTER_cuda = nv=$$($(BIN)/python -c 'import nvidia; print(list(nvidia.__path__)[
 	LIBRARY_PATH=$$nv/cudnn/lib:$$nv/cu13/lib:$$nv/nccl/lib$${LIBRARY_PATH:+:$$LIBRARY_PATH} \
 	$(BIN)/pip install --quiet --no-build-isolation -c $(LOCK) 'transformer_engine[pytorch]'
 
-.PHONY: demo-conversion install test test-quick lint demo bench lock lock-cuda check-cuda-lock clean
+.PHONY: demo-conversion install test test-quick lint demo bench lock lock-cuda check-cuda-lock clean \
+	gpu-wheels
 
 install: $(STAMP)
 
@@ -120,6 +121,21 @@ check-cuda-lock: install
 	$(BIN)/pip index versions transformer-engine-torch 2>/dev/null | \
 		grep -qw "$$(sed -n 's/^transformer-engine-torch==//p' requirements/cuda-lock.txt)" || \
 		{ echo "transformer-engine-torch at the lock's version is not on the index" >&2; exit 1; }
+
+# The wheels scripts/gpu_check.sh installs on a GPU machine that has Python 3.12, CUDA torch and
+# transformers but no package index (README, "A GPU check on a bare GPU machine"): what the check's
+# steps import and such a machine lacks, which is megatron-core alone, at the lock's version (its
+# own needs, torch, numpy and packaging, are there; Ray, vLLM and math-verify are not imported by
+# the check). CPython 3.12 x86-64 wheels, whatever this machine is; then the checkout and the
+# wheels together against the 60 MB that may travel. Needs the index, not the environment.
+GPU_WHEELS := .gpu-wheels
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
+		$$(grep -E '^megatron-core==' requirements/cpu-lock.txt)
+	$(PYTHON) scripts/gpu_travel_size.py $(GPU_WHEELS)
 
 clean:
 	rm -rf .venv .venv-cuda runs

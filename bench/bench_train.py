@@ -58,7 +58,7 @@ def make_model(args, dims):
         sizes.update(moe_intermediate_size=hidden // 2)
     model_dir = os.path.join(args.inputs, args.family)
     if dist.get_rank() == 0:
-        make_tiny_checkpoint(args.family, model_dir, seed=args.seed, **sizes)
+        make_tiny_checkpoint(args.family, model_dir, seed=args.seed, dtype=args.dtype, **sizes)
     dist.barrier()
     with open(os.path.join(model_dir, "config.json")) as f:
         arch = arch_from_hf_config(json.load(f))
@@ -194,6 +194,8 @@ def main():
                              "threads wait for the slowest one, and other processes make that slowest "
                              "one arbitrarily late; one thread keeps the repeats within a few percent)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the model's (its checkpoint's) dtype")
     parser.add_argument("--inputs", default=os.path.join(ROOT, "runs", "bench_train"))
     args = parser.parse_args()
     quick = args.quick
@@ -230,9 +232,9 @@ def main():
     device = next(chunks[0].parameters()).device
     packed = packed_inputs(batch, micro_batches, device)
     rank0 = dist.get_rank() == 0
-    layout = {"family": args.family, "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
-              "layout": dims.describe(), "threads": args.threads, "sequences": batch.size,
-              "max_len": args.seq_len, "micro_batch_tokens": budget}
+    layout = {"family": args.family, "dtype": args.dtype, "hidden": args.hidden, "layers": args.layers,
+              "vocab": args.vocab, "layout": dims.describe(), "threads": args.threads,
+              "sequences": batch.size, "max_len": args.seq_len, "micro_batch_tokens": budget}
     useful_tokens = int(batch.lengths.sum())
 
     def bare_update():

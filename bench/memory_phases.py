@@ -39,7 +39,7 @@ def full_batch(vocab: int, sequences: int, length: int) -> RolloutBatch:
 
 
 def _most(nbytes: int) -> int:
-    value = torch.tensor([nbytes], dtype=torch.int64)
+    value = torch.tensor([nbytes], dtype=torch.int64, device=megatron_groups.device())  # NCCL: on the GPU
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return int(value)
 

@@ -45,6 +45,10 @@ TIERS = {
     "test_device_choice": UNIT,
     "test_device_memory": UNIT,
     "test_dynamic_sampling": UNIT,
+    # scripts/gpu_check.sh end to end on the CPU (parity, bench and memory launches); the size check
+    "test_gpu_check": (DISTRIBUTED, {"test_the_gpu_plan_is_the_issue_s_check": UNIT,
+                                     "test_problems_name_each_failed_check": UNIT,
+                                     "test_travel_size_sums_the_wheels_and_refuses_over_the_limit": UNIT}),
     "test_gpu_smoke": E2E,  # tests/gpu/: skipped without CUDA (tests/gpu/conftest.py)
     "test_hf_config": UNIT,
     # the export's receives on the links' device; one live export at PP2 on two gloo ranks

@@ -55,9 +55,10 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
 
 
 def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 0.08,
-                         **overrides) -> str:
+                         dtype: str = "float32", **overrides) -> str:
     """Write config.json + model.safetensors of a random `family` model; return out_dir. With
-    num_nextn_predict_layers set, mtp_weights=False leaves the MTP layer's weights out."""
+    num_nextn_predict_layers set, mtp_weights=False leaves the MTP layer's weights out. `dtype`
+    (float32 or bfloat16): the weights drawn in fp32, stored rounded to it, config.json saying it."""
     import transformers
 
     if family not in FAMILIES:
@@ -81,7 +82,7 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # HF starts it at zero
                 buffer.copy_(0.05 * torch.randn_like(buffer))
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(out_dir, safe_serialization=True)
     if published:
         _add_to_config(out_dir, published)
     if fields.get("num_nextn_predict_layers") and mtp_weights:
@@ -107,10 +108,11 @@ def _add_mtp_layer(out_dir: str, num_layers: int, std: float) -> None:
     last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
     tensors = {mtp + name[len(last):]: torch.randn_like(t) * std
                for name, t in main.items() if name.startswith(last)}
-    hidden = main["model.norm.weight"].shape[0]
-    tensors.update({mtp + "enorm.weight": torch.ones(hidden), mtp + "hnorm.weight": torch.ones(hidden),
-                    mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden) * std,
-                    mtp + "shared_head.norm.weight": torch.ones(hidden)})
+    hidden, dtype = main["model.norm.weight"].shape[0], main["model.norm.weight"].dtype
+    tensors.update({mtp + "enorm.weight": torch.ones(hidden, dtype=dtype),
+                    mtp + "hnorm.weight": torch.ones(hidden, dtype=dtype),
+                    mtp + "eh_proj.weight": (torch.randn(hidden, 2 * hidden) * std).to(dtype),
+                    mtp + "shared_head.norm.weight": torch.ones(hidden, dtype=dtype)})
     save_file(tensors, os.path.join(out_dir, "model-mtp.safetensors"), metadata={"format": "pt"})
     os.rename(os.path.join(out_dir, "model.safetensors"), os.path.join(out_dir, "model-main.safetensors"))
     weight_map = {**{n: "model-main.safetensors" for n in main},
@@ -119,9 +121,9 @@ def _add_mtp_layer(out_dir: str, num_layers: int, std: float) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
 
 
-def make_named(name: str, out_dir: str, seed: int = 0) -> str:
+def make_named(name: str, out_dir: str, seed: int = 0, dtype: str = "float32") -> str:
     """A family name or a VARIANTS name."""
     if name in VARIANTS:
         overrides = dict(VARIANTS[name])
-        return make_tiny_checkpoint(overrides.pop("family"), out_dir, seed=seed, **overrides)
-    return make_tiny_checkpoint(name, out_dir, seed=seed)
+        return make_tiny_checkpoint(overrides.pop("family"), out_dir, seed=seed, dtype=dtype, **overrides)
+    return make_tiny_checkpoint(name, out_dir, seed=seed, dtype=dtype)

@@ -1,0 +1,100 @@
+"""Worker of scripts/gpu_check.py: the memory plan (trainer/memory_plan.py, what
+scripts/plan_memory.py and the preflight use) against the measured peak of each phase of a real
+actor step, on a few-layer slice of a published model, at world 1.
+
+  python bench/memory_slice.py --model qwen3-30b-a3b|deepseek-v3 --widths real|tiny
+
+The slice: docs/configs/<model>.json with fewer layers (DeepSeek-V3: one dense layer, then MoE
+layers; 16 of its 256 routed experts, the share of an EP16 rank, since its 11 B parameters per MoE
+layer do not fit one GPU with their Adam state; no MTP layer). `real`: the published widths,
+vocabulary and bf16, for a GPU. `tiny`: the tiny test model's widths (megarl/demo/tiny_checkpoint.py)
+with a 64K vocabulary in fp32, the CPU counterpart (bench/bench_memory.py's phase check: state and
+logits that dwarf what the process holds besides them). Measured: bench/memory_phases.py's
+measure() (the second of two steps; GPU: the allocator's peak, torch.cuda.max_memory_allocated
+after reset_peak_memory_stats; CPU: the resident set's high-water mark), each phase's peak above
+the memory in use before the model was built. Prints one JSON object.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from memory_phases import full_batch, measure  # bench/ is the script's directory
+
+from megarl.demo.tiny_checkpoint import BASE, FAMILIES
+from megarl.models.hf_config import arch_from_hf_config
+from megarl.parallel_state import device_choice, megatron_groups
+from megarl.parallel_state.dims import ParallelDims
+from megarl.resharding.destination import RolloutLayout
+from megarl.trainer import memory_plan as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BOUND = 0.15  # |planned - measured| <= 15% of measured, every phase (bench_memory.py's PHASE_BOUND)
+PHASES = ("old_logprobs", "actor_update")
+# name -> (tiny family, slice fields, {widths: (sequences, length, micro-batch tokens)}). Real
+# widths: micro-batches of 8K / 4K tokens, two per step; planned 68 GB and 87 GB (H200: 150 GB).
+SLICES = {
+    "qwen3-30b-a3b": ("qwen3_moe", dict(num_hidden_layers=4),
+                      {"real": (4, 4096, 8192), "tiny": (4, 256, 512)}),
+    "deepseek-v3": ("deepseek_v3", dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16,
+                                        num_nextn_predict_layers=0),
+                    {"real": (4, 2048, 4096), "tiny": (4, 256, 512)}),
+}
+TINY = dict(vocab_size=32000, torch_dtype="float32")
+NOT_WIDTHS = ("architectures", "model_type", "mtp_weights", "num_hidden_layers", "first_k_dense_replace",
+              "n_routed_experts", "num_nextn_predict_layers")
+
+
+def slice_config(model: str, widths: str) -> dict:
+    """The slice's HF config.json."""
+    family, fields, _ = SLICES[model]
+    with open(os.path.join(ROOT, "docs", "configs", f"{model}.json")) as f:
+        config = json.load(f)
+    if widths == "tiny":
+        config.update({k: v for k, v in {**BASE, **FAMILIES[family]}.items() if k not in NOT_WIDTHS}, **TINY)
+    return {**config, **fields}
+
+
+def planned(arch, dims: ParallelDims, budget: int) -> dict:
+    """The plan's peaks of the phases measured, for what the worker runs: the actor alone, no
+    engine (colocated=False), nothing else on the rank. The plan's `gpu` switch counts flash
+    attention's activations (the engine terms it also decides are not planned here); without
+    Transformer Engine the portable attention repeats K and V per query head, on CUDA as on CPU."""
+    request = mp.MemoryRequest(arch=arch, dims=dims, rollout=RolloutLayout(1), device_bytes=float("inf"),
+                               actor=mp.TrainedModel(budget), gpu=device_choice.uses_transformer_engine(),
+                               colocated=False)
+    stage = mp.plan_memory(request)[0]
+    return {phase: stage.phases[phase] for phase in PHASES}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", required=True, choices=sorted(SLICES))
+    parser.add_argument("--widths", required=True, choices=("real", "tiny"))
+    args = parser.parse_args()
+    if not device_choice.on_gpu():
+        torch.set_num_threads(1)  # a 2-core machine
+    config = slice_config(args.model, args.widths)
+    arch = arch_from_hf_config(config)
+    sequences, length, budget = SLICES[args.model][2][args.widths]
+    dims = ParallelDims(world_size=1)
+    plan = planned(arch, dims, budget)  # before any process group: the plan builds on the meta device
+    measured = measure(arch, dims, full_batch(arch.vocab_size, sequences, length), budget)
+    megatron_groups.destroy()
+    phases = {phase: {"planned_gb": round(plan[phase] / 1e9, 3),
+                      "measured_gb": round(measured[phase] / 1e9, 3),
+                      "error": round((plan[phase] - measured[phase]) / measured[phase], 4)}
+              for phase in PHASES}
+    worst = max(abs(p["error"]) for p in phases.values())
+    print(json.dumps({
+        "model": args.model, "widths": args.widths, "dtype": arch.dtype, "layers": arch.num_layers,
+        "hidden": arch.hidden_size, "experts": arch.num_experts, "vocab": arch.vocab_size,
+        "sequences": sequences, "length": length, "micro_batch_tokens": budget,
+        "measured_by": "torch.cuda.max_memory_allocated" if device_choice.on_gpu()
+        else "VmHWM (the resident set)",
+        "phases": phases, "worst_error": worst, "bound": BOUND, "within_bound": worst <= BOUND}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
