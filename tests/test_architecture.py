@@ -12,7 +12,7 @@ LAYERS = {
     "algos": 0, "batch": 0, "parallel_state": 0, "plugins": 0,
     "models": 1, "rewards": 1,
     "rollout": 2,
-    "actor": 3,
+    "actor": 3, "evaluation": 3,
     "critic": 4, "resharding": 4,
     "checks": 5, "demo": 5,
     "trainer": 6,

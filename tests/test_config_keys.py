@@ -57,6 +57,8 @@ KEYS = [
     "critic.optimizer_offload.exp_avg_sq_dtype",
     "checkpoint.every", "checkpoint.keep", "checkpoint.export_hf",
     "async.max_staleness", "async.partial_rollout", "async.max_engine_restarts",
+    "eval.sets", "eval.every", "eval.at_start", "eval.samples", "eval.temperature", "eval.top_p",
+    "eval.max_prompts", "eval.pass_k", "eval.threshold", "eval.max_new_tokens",
 ]
 
 

@@ -84,8 +84,20 @@ def after_a_killed_driver(demo_inputs, tmp_path_factory):
     driver.kill()
     driver.wait()
     run_dir = root / "run"
-    proc = run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, *NO_CHECKPOINT), timeout=900)
+    proc = run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, *NO_CHECKPOINT,
+                                                  *_held_out(root / "heldout.jsonl")), timeout=900)
     return dead_run, run_dir, proc, time.time()
+
+
+def _held_out(path):
+    """Two held-out sets of the same 20 additions (of 25 in the file: eval.max_prompts), sums
+    below 5 from source `add/small`, the others from none; greedy, so both sets score the same."""
+    with open(path, "w") as f:
+        for a in range(5):
+            for b in range(5):
+                f.write(json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b),
+                                    **({"data_source": "add/small"} if a + b < 5 else {})}) + "\n")
+    return (f"eval.sets.heldout.path={path}", f"eval.sets.again.path={path}", "eval.max_prompts=20")
 
 
 def test_ppo_with_critic_on_ray(after_a_killed_driver):
@@ -93,7 +105,9 @@ def test_ppo_with_critic_on_ray(after_a_killed_driver):
     progress bar, the first line naming the log, and every process's own output (vLLM, Megatron,
     torch, Ray) is in run_dir/logs/. (It starts right after a killed driver: after_a_killed_driver.)"""
     _, run_dir, proc, _ = after_a_killed_driver
-    _check_steps(_steps(run_dir), critic=True)
+    at_start, *steps = _steps(run_dir)
+    _check_steps(steps, critic=True)
+    _check_held_out(at_start, steps)
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["algo"]["advantage"] == "gae" and saved["layout"]["ep"] == 2
     assert f"logs in {run_dir}" in proc.stdout + proc.stderr
@@ -104,11 +118,16 @@ def test_ppo_with_critic_on_ray(after_a_killed_driver):
     logged = set(events.Tags()["scalars"])
     assert {"mismatch/kl_k1", "mismatch/logprob_diff_p99", "mismatch/seq_logprob_gap_max",
             "routing/topk_diff_fraction", "correction/masked_fraction"} <= logged, sorted(logged)
+    assert [e.step for e in events.Scalars("eval/heldout/add_small/pass@1")] == [0, 2]
     # stderr holds the bar alone (its in-place redraws read as lines here: text mode turns \r into \n)
     bar = [line for line in proc.stderr.split("\n") if line.strip()]
     assert all(line.startswith("steps:") for line in bar) and "2/2" in bar[-1], bar
     said = [line for line in proc.stdout.split("\n") if line.strip()]
-    assert len(said) <= 12 and all(line.startswith(("megarl: ", "[reward ")) for line in said), said
+    assert len(said) <= 18 and all(line.startswith(("megarl: ", "[reward ")) for line in said), said
+    assert "held-out heldout: 20 prompts; held-out again: 20 prompts" in proc.stdout
+    # the at-start evaluation as it ends, and the first and last at the run's end
+    held_out = [line for line in said if line.startswith("megarl: held-out heldout: accuracy")]
+    assert [line.split("(step ")[1] for line in held_out] == ["0)", "0)", "2)"], said
     rank0 = run_dir / "logs" / "rank0.log"
     assert said[0].startswith("megarl: full logs") and str(rank0) in said[0], said[0]
     assert sum(line.startswith("[reward ") for line in said) == 6
@@ -116,6 +135,30 @@ def test_ppo_with_critic_on_ray(after_a_killed_driver):
         assert re.search(r"INFO .*\[block_pool\.py:\d+\] Successfully reset prefix cache",
                          (run_dir / "logs" / f"{name}.log").read_text())
     assert "Started a local Ray instance" in (run_dir / "logs" / "driver.log").read_text()
+
+
+def _check_held_out(at_start, steps):
+    """Evaluated before step 1 (a row of its own) and after the last step, per source and set."""
+    sources = ("add_small", "default", "all")
+    assert set(at_start) == {"step", "time/eval"} | {
+        f"eval/{name}/{source}/{metric}" for name in ("heldout", "again") for source in sources
+        for metric in ("reward_mean", "accuracy", "pass@1", "response_len_mean", "truncation_rate")}
+    assert at_start["step"] == 0 and not any(k.startswith("eval/") for k in steps[0])
+    for row in (at_start, steps[-1]):
+        held_out = {k: v for k, v in row.items() if k.startswith("eval/heldout/")}
+        # Greedy: two sets of the same prompts score the same; one sample a prompt: pass@1 is accuracy.
+        assert held_out == {k.replace("/again/", "/heldout/"): v for k, v in row.items()
+                            if k.startswith("eval/again/")}
+        for source in sources:
+            metric = {k.split("/")[-1]: v for k, v in held_out.items() if k.split("/")[2] == source}
+            assert metric["pass@1"] == metric["accuracy"] == metric["reward_mean"]  # math: 0 or 1
+            assert 0 <= metric["accuracy"] <= 1 and 0 <= metric["truncation_rate"] <= 1
+            assert 1 <= metric["response_len_mean"] <= 3  # generation.max_new_tokens
+        # 14 of the first 20 prompts (a = 0..3) have sums below 5: the whole set is the weighted mean
+        small, other = held_out["eval/heldout/add_small/accuracy"], held_out["eval/heldout/default/accuracy"]
+        assert held_out["eval/heldout/all/accuracy"] == pytest.approx((14 * small + 6 * other) / 20)
+    # The warm-started weights, synced for the at-start evaluation, answer some additions.
+    assert at_start["eval/heldout/all/accuracy"] >= 0.2, at_start
 
 
 # Multi-turn rollouts (generation.producer=agent) whose second and third turns follow an
@@ -354,6 +397,8 @@ def _refusal_in_process(demo_inputs, run_dir, overrides) -> str:
      r"data.overlong_prompts='truncate'; choose one of \('skip', 'error'\)"),
     ("data.overlong_prompts=error data.max_prompt_len=8",
      r"train.jsonl record 0 is \d+ tokens, over data.max_prompt_len=8; raise data.max_prompt_len"),
+    ("eval.sets.heldout.path=/nonexistent/heldout.jsonl",
+     r"eval.sets.heldout.path='/nonexistent/heldout.jsonl' does not exist"),
 ])
 def test_impossible_run_is_refused_before_anything_starts(demo_inputs, tmp_path, override, message):
     run_dir = tmp_path / "run"

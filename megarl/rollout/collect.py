@@ -33,9 +33,9 @@ class Collected:
     events: Dict[str, int] = field(default_factory=dict)  # the samples' agent events, summed
 
 
-def _all_samples(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
-                 sampling: SamplingConfig) -> List[RolloutSample]:
-    """Every engine's samples on every rank, ordered by global prompt index."""
+def all_samples(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
+                sampling: SamplingConfig) -> List[RolloutSample]:
+    """Every engine's samples on every rank, ordered by global prompt index. Collective."""
     mine = engine.placement.share(len(prompts))
     if mine and sampling.seed is not None:  # the share's seeds are the draw's (engine.sample_seed)
         sampling = replace(sampling, seed=sample_seed(sampling, mine[0], 0))
@@ -111,7 +111,7 @@ def _widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
 def collect(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
             sampling: SamplingConfig, tokenizer, scorer: Scorer) -> Collected:
     """Collective over the world: every rank returns the same batch."""
-    return scored(_all_samples(engine, producer, prompts, sampling), prompts, tokenizer, scorer)
+    return scored(all_samples(engine, producer, prompts, sampling), prompts, tokenizer, scorer)
 
 
 def scored(samples: List[RolloutSample], prompts: List[Prompt], tokenizer, scorer: Scorer) -> Collected:

@@ -3,13 +3,14 @@ megarl.trainer.typed_config from YAML plus dotted overrides and validated before
 Does not own what runs (megarl/trainer/loop.py)."""
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, Optional, Union
+from typing import Dict, List, Optional, Union
 
 from megarl.actor.config import ActorConfig
 from megarl.algos import pick
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS, LONE_GROUPS, WHITENED_BY_DEFAULT
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.critic.config import CriticConfig
+from megarl.evaluation.config import EvalConfig
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import RewardTable
@@ -258,6 +259,7 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # YAML: async (a Python keyword)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out sets (megarl/evaluation)
     # Hybrid-engine handoff: also move the training weights off the device while vLLM generates
     # (optimizer states and gradients always move).
     offload_params: bool = False
@@ -268,6 +270,10 @@ class RunConfig:
     def __post_init__(self):
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
+        if self.eval.max_new_tokens > self.generation.max_new_tokens:
+            raise ValueError(f"eval.max_new_tokens={self.eval.max_new_tokens} exceeds generation."
+                             f"max_new_tokens={self.generation.max_new_tokens}, which the engine's context "
+                             "is sized for; lower it (0: the same budget) or raise generation.max_new_tokens")
         agent = self.generation.producer == "agent"
         if agent and (self.engine_returns_routing or self.layout.rollout_tp > 1):
             # The ranks of one engine must submit the same requests in the same order; each runs
@@ -285,7 +291,9 @@ class RunConfig:
                    "generation.producer": "" if self.generation.producer == "completion"
                    else self.generation.producer,
                    "offload_params": self.offload_params,
-                   "generation.return_routing / actor.router_replay=rollout": self.engine_returns_routing}
+                   "generation.return_routing / actor.router_replay=rollout": self.engine_returns_routing,
+                   # not yet: the rollout ranks will evaluate between weight pushes
+                   "eval.sets": ", ".join(self.eval.sets)}
         for key, value in refused.items():
             if value:
                 raise ValueError(f"{key}={value} is not built for rollout ranks of their own "
@@ -301,6 +309,22 @@ class RunConfig:
     @property
     def engine_returns_routing(self) -> bool:
         return self.generation.return_routing or self.actor.router_replay == "rollout"
+
+    @property
+    def eval_config(self) -> EvalConfig:
+        """The eval section with its token budget resolved (0: generation.max_new_tokens)."""
+        return replace(self.eval, max_new_tokens=self.eval.max_new_tokens or self.generation.max_new_tokens)
+
+    @property
+    def reward_tables(self) -> List[RewardTable]:
+        """Training's reward table, then each held-out set's (repeats included)."""
+        training = self.algo.reward_table
+        return [training, *(spec.reward_table(training) for spec in self.eval.sets.values())]
+
+    @property
+    def reward_model_dirs(self) -> List[str]:
+        """The reward models (rm:PATH) of every reward table: training's and the held-out sets'."""
+        return sorted({path for table in self.reward_tables for path in table.models})
 
     @property
     def critic_config(self) -> CriticConfig:

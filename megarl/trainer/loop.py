@@ -9,11 +9,14 @@ come from is a RolloutSource (colocated: rollout_source.py; disaggregated:
 disaggregated_rollouts.py), how samples are produced a SampleProducer
 (megarl/rollout/producer.py), both chosen once in `setup`. A colocated engine is made, asleep,
 before any model (on a GPU vLLM starts only on a free device), and the weights a step pushes are
-synced inside the next step's memory handoff; their seconds are still booked as "sync".
+synced inside the next step's memory handoff; their seconds are still booked as "sync". Held-out
+sets (eval.*) are evaluated by the source, with the weights a step pushed, before a fresh run's
+first step (logged as step 0), every eval.every steps and after the last (in that step's row).
 """
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Tuple
 
@@ -21,6 +24,8 @@ from megarl.actor.actor import Actor
 from megarl.algos.advantage_step import advantage_step
 from megarl.critic.critic import Critic
 from megarl.critic.reward_model import RewardModel
+from megarl.evaluation.eval_metrics import summary
+from megarl.evaluation.sets import HeldOut
 from megarl.models import checkpoint as model_checkpoint
 from megarl.models.builder import build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
@@ -146,21 +151,29 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
     algo = config.algo
     reward_models = {path: RewardModel(path, dims, config.actor.batching, tokenizer,
                                        **config.model.transformer_overrides())
-                     for path in algo.reward_table.models}
-    scorer = Scorer(algo.reward_table, algo.reward_workers, algo.reward_timeout_s, reward_models)
+                     for path in config.reward_model_dirs}
+
+    def scorer_of(table):
+        return Scorer(table, algo.reward_workers, algo.reward_timeout_s, reward_models)
+
+    scorer = scorer_of(algo.reward_table)
     if role is not None:
         source = DisaggregatedRollouts(config, role, tokenizer, prompts.prompts, sampler, scorer)
     else:
         producer = load_producer(gen.producer, tokenizer, gen.agent)
+        held_out = HeldOut.load(config.eval_config, tokenizer, data.max_prompt_len, data.overlong_prompts,
+                                scorer, scorer_of)
         source = ColocatedRollouts(config, engine, producer, tokenizer, prompts.prompts, sampler, scorer,
-                                   actor.state, [critic.state] if critic is not None else [])
+                                   actor.state, [critic.state] if critic is not None else [], held_out)
     run = Run(config, arch, hf_config, actor, critic, source, sampler, flops.device_name())
     done = checkpoint.load(run, resume_from) if resume_from else 0
     source.push_weights(actor_chunks, arch, version=done)
     if rank0:
         resumed = f"; resumed from {resume_from} (step {done})" if resume_from else ""
+        sets = "".join(f"; held-out {name}: {len(held)} prompts"
+                       for name, held in (held_out.prompts.items() if role is None else ()))
         console.say(f"megarl: {len(prompts.prompts)} prompts ({prompts.dropped_too_long} longer "
-                    f"than {data.max_prompt_len} tokens dropped); logs in {config.run_dir}{resumed}")
+                    f"than {data.max_prompt_len} tokens dropped){sets}; logs in {config.run_dir}{resumed}")
     return run, done
 
 
@@ -205,12 +218,28 @@ def step(run: Run, number: int) -> StepResult:
     return StepResult(metrics, replace(rollouts, collected=replace(rollouts.collected, batch=batch)))
 
 
+def _evaluation(run: Run, after: int) -> dict:
+    """The held-out metrics of the weights after step `after` (0: the initial ones, a fresh run's
+    at-start evaluation) where one is due, with its seconds; else {}. Collective."""
+    config = run.config.eval
+    due = config.due_after(after, run.config.steps) if after else config.at_start and bool(config.sets)
+    if not due:
+        return {}
+    start = time.perf_counter()
+    metrics = run.source.evaluate(after)
+    return {**metrics, "time/eval": time.perf_counter() - start}
+
+
 def _report(run: Run, log: MetricsLog, rollouts: Rollouts) -> None:
-    """Where the logs are, the reward trend, and one sample of each of six prompts."""
+    """Where the logs are, the reward trend, the first and last held-out evaluations, and one
+    sample of each of six prompts."""
     run_dir = run.config.run_dir
     first, last = log.reward_window(first=True), log.reward_window(first=False)
     console.say(f"megarl: mean reward over the first 10% of steps {first:.3f}, over the last 10% "
                 f"{last:.3f}")
+    evaluations = log.evaluations()
+    for number, metrics in dict(evaluations[:1] + evaluations[-1:]).items():
+        console.say("\n".join(summary(metrics, number)))
     console.say(f"megarl: curves in {plot_run(run_dir)}; metrics in {run_dir}/metrics.jsonl, "
                 f"TensorBoard: tensorboard --logdir {run_dir}/tensorboard")
     shown = {}
@@ -235,11 +264,16 @@ def train(config: RunConfig, resume: Optional[str] = None) -> dict:
         role = roles.start(placement, roles.launcher_store(placement))
     run, done = setup(config, resume, role)
     log = MetricsLog(config.run_dir, config.steps, done + 1, enabled=megatron_groups.is_rank0())
+    at_start = _evaluation(run, 0) if done == 0 else {}
+    if at_start:
+        log.log(0, at_start, trained=False)
+        if log.enabled:
+            console.say("\n".join(summary(at_start, 0)))
     every = config.checkpoint.every
     result = None
     for number in range(done + 1, config.steps + 1):
         result = step(run, number)
-        log.log(number, result.metrics)
+        log.log(number, {**result.metrics, **_evaluation(run, number)})
         if every and (number % every == 0 or number == config.steps):
             checkpoint.save(run, number, config.checkpoint.keep)
     log.close()

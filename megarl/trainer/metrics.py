@@ -8,7 +8,7 @@ import contextlib
 import json
 import os
 import time
-from typing import Dict
+from typing import Dict, List, Tuple
 
 from megarl.trainer import console
 
@@ -63,7 +63,10 @@ class MetricsLog:
         self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=first_step)
         console.start_bar(total_steps, first_step - 1)
 
-    def log(self, step: int, metrics: Dict[str, float]) -> None:
+    def log(self, step: int, metrics: Dict[str, float], trained: bool = True) -> None:
+        """One row of metrics.jsonl and TensorBoard's points at `step`; `trained`: the row of a
+        training step, which advances the bar (False: a row of evaluation metrics only, the
+        at-start evaluation's at step 0)."""
         if not self.enabled:
             return
         with open(self.path, "a") as f:
@@ -71,19 +74,30 @@ class MetricsLog:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
+        if not trained:
+            return
         skipped = {k: v for k, v in metrics.items() if k.endswith("/skipped") and v}
         if skipped:
             console.say(f"megarl: step {step}: optimizer steps skipped for non-finite loss or "
                         f"gradients (fraction per model: {skipped}); the weights were not changed")
         console.advance(reward=f"{metrics['reward/mean']:.3f}")
 
+    def _rows(self) -> List[dict]:
+        with open(self.path) as f:
+            return [json.loads(line) for line in f]
+
     def reward_window(self, first: bool) -> float:
         """Mean reward over the first (or last) 10% of the steps logged (at least one)."""
-        with open(self.path) as f:
-            rewards = [json.loads(line)["reward/mean"] for line in f]
+        rewards = [row["reward/mean"] for row in self._rows() if "reward/mean" in row]
         k = max(1, len(rewards) // 10)
         window = rewards[:k] if first else rewards[-k:]
         return sum(window) / len(window)
+
+    def evaluations(self) -> List[Tuple[int, Dict[str, float]]]:
+        """(step, its evaluation metrics) of every row holding some, in step order."""
+        found = [(row["step"], {k: v for k, v in row.items() if k.startswith("eval/")})
+                 for row in self._rows()]
+        return [(step, metrics) for step, metrics in found if metrics]
 
     def close(self) -> None:
         if self.enabled:

@@ -1,6 +1,6 @@
 """Checks of a whole run before any process starts: the layout against the model, the rollout
 engines against the world and the model, sequence lengths and batch plans against the layout,
-and the prompt data.
+and the prompt data (the held-out sets' too).
 
 Each section of RunConfig validates itself when loaded; what needs two sections or the model's
 config.json is checked here, so a run that cannot work is refused (naming the values and the
@@ -17,6 +17,7 @@ from megarl.actor.config import BatchingConfig
 from megarl.actor.optimizer import offload_fields
 from megarl.actor.packing import plan_micro_batches
 from megarl.actor.passes import mini_batch_rows
+from megarl.evaluation.sets import load_sets
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config, reward_model_arch
 from megarl.models.megatron_config import check_te_dtype, transformer_config
 from megarl.parallel_state import device_choice
@@ -50,8 +51,9 @@ def _check_batching(batching: BatchingConfig, sequences: int, longest: int, dims
 
 
 def _check_data(config: RunConfig) -> None:
-    """The prompt file reads, every record has its fields and a prompt, and the overlong ones are
-    allowed: the same load every rank does later, done once here so a bad file costs no start-up."""
+    """The prompt file (and each held-out set's) reads, every record has its fields and a prompt,
+    and the overlong ones are allowed: the same loads every rank does later, done once here so a
+    bad file costs no start-up."""
     import transformers
 
     data = config.data
@@ -66,7 +68,9 @@ def _check_data(config: RunConfig) -> None:
                 uses_tools(prompt.extra_info.get("agent_name"))
             except ValueError as error:
                 raise ValueError(f"{data.path} prompt {index}: {error}") from None
-    config.algo.reward_table.check()
+    load_sets(config.eval, tokenizer, data.max_prompt_len, data.overlong_prompts)
+    for table in config.reward_tables:
+        table.check()
 
 
 def preflight(config: RunConfig) -> ParallelDims:
@@ -88,7 +92,7 @@ def preflight(config: RunConfig) -> ParallelDims:
     _check_batching(config.actor.batching, sequences, longest, dims, "actor")
     if config.algo.uses_critic:
         _check_batching(config.critic.batching, sequences, longest, dims, "critic")
-    for path in config.algo.reward_table.models:
+    for path in config.reward_model_dirs:
         _check_reward_model(path, dims, longest)
     _check_memory(config, arch, dims)
     _check_data(config)
@@ -104,7 +108,8 @@ def _check_memory(config: RunConfig, arch: ModelArch, dims: ParallelDims) -> Non
         if not device_choice.on_gpu():
             return
         gpu_gb = torch.cuda.get_device_properties(0).total_memory / memory_plan.GB
-    rewards = tuple(reward_model_arch(load_hf_config(path), path) for path in config.algo.reward_table.models)
+    rewards = tuple(reward_model_arch(load_hf_config(path), path)
+                    for path in config.reward_model_dirs)
     request = memory_plan.request_for_run(config, arch, dims, gpu_gb * memory_plan.GB, gpu=True,
                                           runtime_bytes=memory_plan.RUNTIME_RESERVE_GB * memory_plan.GB,
                                           reward_models=rewards)

@@ -1,24 +1,28 @@
 """Where a step's rollouts come from: the seam where disaggregated, asynchronous rollout plugs in
 (disaggregated_rollouts.py).
 
-Owns the RolloutSource protocol (a step's scored rollouts; the actor's new weights after its
-update), the sampling of each step (the same whichever source generates it), and the colocated
-implementation, ColocatedRollouts: the training ranks themselves generate, synchronously,
-inside the hybrid-engine memory handoff (megarl/actor/offload.py: training state off, the
-engine's weights in, the weights last pushed synced, the KV cache in, generation, and back), with
-DAPO dynamic sampling's extra rounds. Does not own generation (the engine and its sample
-producer), scoring (collect.py) or what the step does with the rollouts (loop.py).
+Owns the RolloutSource protocol (a step's scored rollouts; an evaluation of the held-out sets;
+the actor's new weights after its update), the sampling of each step (the same whichever source
+generates it), and the colocated implementation, ColocatedRollouts: the training ranks themselves
+generate, synchronously, inside the hybrid-engine memory handoff (megarl/actor/offload.py:
+training state off, the engine's weights in, the weights last pushed synced, the KV cache in,
+generation, and back), with DAPO dynamic sampling's extra rounds; evaluations go through the same
+handoff. Does not own generation (the engine and its sample producer), scoring (collect.py), the
+evaluation's metrics (megarl/evaluation) or what the step does with the rollouts (loop.py).
 """
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import List, NamedTuple, Optional, Protocol, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
 from megarl.actor.offload import device_to_engine
 from megarl.actor.optimizer import TrainState
 from megarl.algos.shaping import informative_groups
+from megarl.evaluation.evaluator import evaluate
+from megarl.evaluation.sets import HeldOut
 from megarl.models.hf_config import ModelArch
 from megarl.resharding.sync import sync_weights
 from megarl.rewards.scorer import Scorer
@@ -43,6 +47,10 @@ class Rollouts:
 class RolloutSource(Protocol):
     def rollouts(self, number: int) -> Rollouts:
         """Step `number`'s scored rollouts. Collective."""
+
+    def evaluate(self, version: int) -> Dict[str, float]:
+        """The held-out sets' metrics (megarl/evaluation) with the weights after step `version`
+        (0: the initial ones), the last pushed. Collective."""
 
     def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch, version: int) -> None:
         """Make the actor's weights (its Megatron chunks) after step `version` (0: the initial
@@ -78,35 +86,51 @@ class ColocatedRollouts:
 
     def __init__(self, config: RunConfig, engine: RolloutEngine, producer: SampleProducer, tokenizer,
                  prompts: List[Prompt], sampler: PromptSampler, scorer: Scorer,
-                 actor: TrainState, others: Sequence[TrainState]):
+                 actor: TrainState, others: Sequence[TrainState], held_out: HeldOut):
         """`actor`: the training state whose weights are pushed (its parameters are the sync's
         source); `others` (the critic's): moved off the device too while the engine runs."""
         self.config, self.engine, self.producer, self.tokenizer = config, engine, producer, tokenizer
         self.prompts, self.sampler, self.scorer = prompts, sampler, scorer
         self.actor, self.others = actor, list(others)
+        self.held_out = held_out
         self._pushed: Optional[_Pushed] = None
 
-    def rollouts(self, number: int) -> Rollouts:
-        """With DAPO dynamic sampling, groups whose rewards are all equal are dropped and more
-        prompts are drawn, up to algo.dynamic_sampling_rounds extra rounds."""
+    @contextlib.contextmanager
+    def _engine_with(self, version: int, purpose: str) -> Iterator[dict]:
+        """The memory handoff with the weights after step `version` synced into the awake engine;
+        yields a dict that holds, once the block ends, the handoff's bytes offloaded and the
+        sync's seconds."""
         pushed = self._pushed
-        if pushed is None or pushed.version != number - 1:
+        if pushed is None or pushed.version != version:
             have = "none were" if pushed is None else f"those after step {pushed.version} were"
-            raise RuntimeError(f"step {number} generates with the weights after step {number - 1}, but "
-                               f"{have} pushed: call push_weights(..., version={number - 1}) first")
-        sync_seconds = []
+            raise RuntimeError(f"{purpose} uses the weights after step {version}, but {have} pushed: "
+                               f"call push_weights(..., version={version}) first")
+        handoff = {}
 
         def sync():
             start = time.perf_counter()
             sync_weights(pushed.chunks, pushed.arch, self.engine,
                          bucket_bytes=self.config.layout.sync_bucket_mb * 2**20)
-            sync_seconds.append(time.perf_counter() - start)
+            handoff["sync_seconds"] = time.perf_counter() - start
 
         with device_to_engine(self.actor, self.others, self.engine, sync,
                               self.config.offload_params) as offloaded:
+            handoff["offloaded"] = offloaded
+            yield handoff
+
+    def rollouts(self, number: int) -> Rollouts:
+        """With DAPO dynamic sampling, groups whose rewards are all equal are dropped and more
+        prompts are drawn, up to algo.dynamic_sampling_rounds extra rounds."""
+        with self._engine_with(number - 1, f"step {number}") as handoff:
             rollouts = self._rounds(number)
-        return replace(rollouts, metrics={**rollouts.metrics, "memory/offloaded_bytes": offloaded},
-                       sync_seconds=sync_seconds[0])
+        return replace(rollouts, metrics={**rollouts.metrics, "memory/offloaded_bytes": handoff["offloaded"]},
+                       sync_seconds=handoff["sync_seconds"])
+
+    def evaluate(self, version: int) -> Dict[str, float]:
+        held_out = self.held_out
+        with self._engine_with(version, "the evaluation"):
+            return evaluate(self.engine, self.producer, held_out.prompts, held_out.config, self.tokenizer,
+                            held_out.scorers, self.config.seed)
 
     def _rounds(self, number: int) -> Rollouts:
         extra_rounds = self.config.algo.dynamic_sampling_rounds
@@ -139,6 +163,7 @@ class ColocatedRollouts:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.held_out.close(self.scorer)
         self.scorer.close()
         close = getattr(self.producer, "close", None)  # producers holding processes (the agent's tools)
         if close is not None:
