@@ -47,6 +47,7 @@ TIERS = {
     "test_dynamic_sampling": UNIT,
     "test_eval_config": UNIT,
     "test_eval_metrics": UNIT,
+    "test_evaluate_script": UNIT,
     # scripts/gpu_check.sh end to end on the CPU (parity, bench and memory launches); the size check
     "test_gpu_check": (DISTRIBUTED, {"test_the_gpu_plan_is_the_issue_s_check": UNIT,
                                      "test_problems_name_each_failed_check": UNIT,

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.launch import ROOT, kill_tree, load_script, ray_pids, run
+from tests.launch import ROOT, kill_tree, last_json, load_script, ray_pids, run
 from tests.learning import assert_learned
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -329,10 +329,16 @@ def test_killed_run_resumes_exactly_and_exports_hf(demo_inputs, tmp_path):
     """PPO with a critic, a KL-penalized reward and the weights offloaded during generation, at
     EP2 (torchrun): an uninterrupted 6-step run,
     and the same run killed with SIGKILL once its step-3 checkpoint exists, then resumed with
-    --resume auto. Steps 4-6 must log the same metrics; the final HF export must equal the
-    converter's export of the last Megatron checkpoint, bit for bit."""
+    --resume auto. Steps 4-6 must log the same metrics, the held-out evaluation after step 6
+    among them; the final HF export must equal the converter's export of the last Megatron
+    checkpoint, bit for bit. That export is scripts/evaluate.py's: it evaluates the checkpoint
+    (converted on the fly) with the run's settings and gives the run's numbers exactly."""
+    heldout, _, first_20 = _held_out(tmp_path / "heldout.jsonl")
+    # Sampled, so the script's numbers match only with the run's seed rule: 4 samples of a prompt
+    # on one engine (the script's) drawn as on the run's two.
     args = ("steps=6", "checkpoint.every=3", "algo.kl_reward_coeff=0.05", "data.prompts_per_step=8",
-            "offload_params=true")
+            "offload_params=true", heldout, first_20, "eval.at_start=false", "eval.samples=4",
+            "eval.temperature=1.0", "eval.pass_k=[1,4]")
     whole = tmp_path / "whole"
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, whole, *args), nproc=2, timeout=900)
 
@@ -355,9 +361,15 @@ def test_killed_run_resumes_exactly_and_exports_hf(demo_inputs, tmp_path):
         assert _without_measurements(a) == _without_measurements(b)
     assert sorted(os.listdir(killed / "checkpoints")) == ["step_000003", "step_000006"]
 
+    held_out = {k: v for k, v in expected[-1].items() if k.startswith("eval/")}
+    assert held_out["eval/heldout/all/pass@4"] >= held_out["eval/heldout/all/pass@1"] > 0, held_out
     exported = tmp_path / "from_checkpoint"
-    run("scripts/convert_megatron_to_hf.py", "--megatron-dir",
-        str(whole / "checkpoints" / "step_000006" / "actor"), "--out", str(exported))
+    # The whole trainer checkpoint: its actor/ converted (into --convert-dir, kept) and evaluated;
+    # the same bytes as both runs' hf/ (compared below), so the exports score the same.
+    evaluated = last_json(run("scripts/evaluate.py", "--model", str(whole / "checkpoints" / "step_000006"),
+                              "--run-dir", str(whole), "--convert-dir", str(exported)))
+    assert evaluated["set"] == "heldout" and evaluated["prompts"] == 20
+    assert evaluated["metrics"] == held_out
     run("scripts/compare_hf_checkpoints.py", str(exported), str(whole / "hf"))
     # The same comparison in this process (the script's launch above costs ~4.5 s of imports)
     result = load_script("compare_hf_checkpoints").compare(str(exported), str(killed / "hf"))
