@@ -2,7 +2,8 @@
 vLLM: staleness 0 is exactly the synchronous colocated loop; with staleness 1 and 2 no trained
 sample is older than the bound, and every token sampled by the weights the trainer holds gets
 its log-prob back exactly from the trainer (fp32), also in responses continued across a sync; an
-engine killed with kill -9 is replaced and the run finishes.
+engine killed with kill -9 is replaced and the run finishes; a held-out evaluation on the rollout
+rank does not stall the trainer.
 
 The model is the demo's task on a Qwen2-style model warm-started for only 1 step: its responses
 run 1-96 tokens (mean ~30-40 at temperature 1), so generation spans training steps and syncs
@@ -44,6 +45,17 @@ def _args(inputs, run_dir, *extra):
 
 COLOCATED = ("layout.rollout_world_size=0", "async.max_staleness=0")  # the synchronous loop
 
+HELD_OUT, SLOW_SCORE_S = 24, 0.25  # a held-out evaluation's prompts, and its reward's seconds each
+
+
+SLOW_REWARD = "tests.test_async_rollout:slow_exact_match"
+
+
+def slow_exact_match(response: str, ground_truth: str) -> float:
+    """A held-out reward as slow as a sandbox or a judge, sleeping (no CPU taken from the run)."""
+    time.sleep(SLOW_SCORE_S)
+    return float(response.strip() == ground_truth.strip())
+
 
 def _steps(run_dir):
     with open(run_dir / "metrics.jsonl") as f:
@@ -56,23 +68,37 @@ def _computed(step):
             if not k.startswith(("time/", "throughput/", "memory/", "async/"))}
 
 
+def _held_out(inputs, tokens: int, *extra):
+    """HELD_OUT of the training prompts as a held-out set, greedy, `tokens` at most."""
+    return (f"eval.sets.heldout.path={inputs / 'train.jsonl'}", f"eval.max_prompts={HELD_OUT}",
+            f"eval.max_new_tokens={tokens}", *extra)
+
+
 def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tmp_path):
+    """Also the held-out evaluations: the rollout rank's, between weight pushes, give the numbers
+    the colocated ones give (the same weights and seeds), at the start (step 0's row, which comes
+    once the rollout rank has scored it) and after the last step."""
     colocated, disaggregated = tmp_path / "colocated", tmp_path / "disaggregated"
     one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "29541", "OMP_NUM_THREADS": "1"}  # as torchrun sets it
     # The two runs at once: most of a 2-step run is start-up, and either one alone leaves a core idle.
     command = [sys.executable, os.path.join(ROOT, SCRIPT),
-               *_args(tail_inputs, colocated, "steps=2", *COLOCATED)]
+               *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *_held_out(tail_inputs, 8))]
     reference = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **one_rank}, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
     run(SCRIPT, *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=1",
-                       "async.max_staleness=0"), nproc=2, timeout=900)
+                       "async.max_staleness=0", *_held_out(tail_inputs, 8)), nproc=2, timeout=900)
     output, _ = reference.communicate(timeout=900)
     assert reference.returncode == 0, output[-4000:]
-    sync, async_ = _steps(colocated), _steps(disaggregated)
-    assert len(sync) == len(async_) == 2
+    sync, async_ = (sorted(_steps(d), key=lambda row: row["step"]) for d in (colocated, disaggregated))
+    assert [s["step"] for s in sync] == [a["step"] for a in async_] == [0, 1, 2]
     for s, a in zip(sync, async_):
         assert _computed(a) == _computed(s)
+    for row in (async_[0], async_[2]):
+        assert 0 <= row["eval/heldout/all/accuracy"] <= 1 and row["async/eval_restarts"] == 0
+        assert 1 <= row["eval/heldout/all/response_len_mean"] <= 8
+    sync, async_ = sync[1:], async_[1:]  # the steps'
+    for a in async_:
         assert a["async/version_lag_max"] == 0 and a["async/sample_lag_max"] == 0
         assert a["async/trainer_version"] == a["step"] - 1
         assert a["async/mismatch_lag0_max"] < 1e-4
@@ -102,20 +128,23 @@ def _torchrun(inputs, run_dir, *extra) -> subprocess.Popen:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                os.path.join(ROOT, SCRIPT),
                *_args(inputs, run_dir, "layout.rollout_world_size=1", *FAST_TRAINER, *extra)]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})  # the reward above, in its pool
 
 
 @pytest.fixture(scope="module")
 def staleness_runs(tail_inputs, tmp_path_factory):
     """Two runs started together (most of a run is start-up; one alone leaves a core idle):
     staleness 1 with partial rollouts continued, whose engine is killed with kill -9 once step 2
-    is logged; staleness 2 with partial rollouts restarted. {name: (run dir, output, return code)}
-    and the killed engine's pid."""
+    is logged; staleness 2 with partial rollouts restarted, evaluating HELD_OUT prompts scored by
+    slow_exact_match after steps 3 and 6. {name: (run dir, output, return code)} and the killed
+    engine's pid."""
     root = tmp_path_factory.mktemp("staleness_runs")
     killed, restarted = root / "killed", root / "restarted"
     first = _torchrun(tail_inputs, killed, "steps=6", "async.max_staleness=1")
-    second = _torchrun(tail_inputs, restarted, "steps=4", "async.max_staleness=2",
-                       "async.partial_rollout=restart")
+    second = _torchrun(tail_inputs, restarted, "steps=6", "async.max_staleness=2",
+                       "async.partial_rollout=restart", "eval.at_start=false", "eval.every=3",
+                       *_held_out(tail_inputs, 4, f"eval.sets.heldout.reward={SLOW_REWARD}"))
     deadline = time.time() + 600
     while not (killed / "metrics.jsonl").exists() or len(_steps(killed)) < 2:
         assert first.poll() is None and time.time() < deadline, "the run ended before step 2"
@@ -148,10 +177,48 @@ def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(staleness_runs
 def test_restarted_partial_rollouts_stay_within_staleness_two(staleness_runs):
     run_dir, output, code = staleness_runs[0]["restarted"]
     assert code == 0, output[-4000:]
-    steps = _steps(run_dir)
-    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    steps = [s for s in _steps(run_dir) if "reward/mean" in s]  # not an evaluation's row
+    assert [s["step"] for s in steps] == list(range(1, 7))
     _check_bounds(steps, 2)
     assert all(s["async/mixed_version_samples"] == 0 for s in steps)  # one version per response
+
+
+# Measured on a loaded 2-core machine: steps 2-3 waited 0.05-0.5 s (time/generate + time/sync), the
+# steps during the evaluation up to 1.9 s (it shares the engine), and 5.4 s where it was scored in the
+# engine loop.
+NOISE_S = 3.0
+
+
+def test_held_out_evaluation_on_the_rollout_rank_does_not_stall_the_trainer(staleness_runs):
+    """The run with partial rollouts restarted evaluates HELD_OUT prompts on its rollout rank after
+    steps 3 and 6, scored by a reward that sleeps SLOW_SCORE_S a sample: over 6 s an evaluation,
+    while a step takes about one. The trainer only requests the first (time/eval) and trains on:
+    its metrics are logged in a row of their own at the step whose weights they are, after the
+    rows of the steps trained meanwhile (at least two), which waited for rollouts and weight pushes
+    no longer than steps 2-3 did before it, give or take NOISE_S. A trainer waiting for it, or a
+    rollout rank scoring it in its engine loop (which would hold the next push), waits 4-6 s more.
+    The last evaluation is waited for after the last step and is in its row."""
+    run_dir, output, code = staleness_runs[0]["restarted"]
+    assert code == 0, output[-4000:]
+    rows = _steps(run_dir)
+    (middle,) = [i for i, r in enumerate(rows) if "eval/heldout/all/accuracy" in r and "reward/mean" not in r]
+    steps = {r["step"]: r for r in rows if "reward/mean" in r}
+    for evaluation in (rows[middle], steps[6]):
+        held_out = {k.rsplit("/", 1)[1]: v for k, v in evaluation.items()
+                    if k.startswith("eval/heldout/all/")}
+        assert 0 <= held_out["accuracy"] <= 1 and held_out["pass@1"] == held_out["accuracy"]  # greedy, n=1
+        assert 1 <= held_out["response_len_mean"] <= 4 and 0 <= held_out["truncation_rate"] <= 1
+        assert evaluation["async/eval_s"] > HELD_OUT * SLOW_SCORE_S
+    # Of the weights after step 3, or a later one's where a push came while it was sampled.
+    assert 3 <= rows[middle]["step"] < 6 and steps[3]["time/eval"] < 0.5 < steps[6]["time/eval"]
+
+    def waited(row):
+        return row["time/generate"] + row["time/sync"]
+
+    meanwhile = [waited(r) for r in rows[:middle] if "reward/mean" in r and r["step"] > 3]
+    assert len(meanwhile) >= 2 and max(meanwhile) <= max(waited(steps[2]), waited(steps[3])) + NOISE_S, \
+        (meanwhile, [waited(steps[s]) for s in (2, 3)])
+    assert "megarl: held-out heldout: accuracy" in output and "(step 6)" in output
 
 
 def test_async_demo_reward_rises(demo_inputs, tmp_path):

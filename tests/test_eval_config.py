@@ -29,8 +29,9 @@ from megarl.trainer.typed_config import load
      r"eval.sets.heldout: reward='math\+rm': term"),
     (["eval.sets.held/out.path=x.jsonl"], r"eval.sets key 'held/out': .* letters, digits"),
     (["eval.max_new_tokens=100"], r"eval.max_new_tokens=100 exceeds generation.max_new_tokens=64"),
-    (["eval.sets.h.path=x.jsonl", "layout.rollout_world_size=1"],
-     r"eval.sets=h is not built for rollout ranks of their own"),
+    (["eval.sets.h.path=x.jsonl", "eval.sets.g.path=y.jsonl", "eval.sets.g.reward=math + rm:/rm",
+      "layout.rollout_world_size=1"],  # scored on the rollout ranks, the reward model on the trainer's
+     r"eval.sets scored by reward models \(rm:\)=g is not built for rollout ranks of their own"),
 ])
 def test_bad_eval_settings_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -14,7 +14,7 @@ from megarl.evaluation.config import EvalConfig
 from megarl.evaluation.eval_metrics import EvalRow, aggregate
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.collect import all_samples, scored
-from megarl.rollout.engine import RolloutEngine, SamplingConfig
+from megarl.rollout.engine import RolloutEngine, RolloutSample, SamplingConfig
 from megarl.rollout.producer import SampleProducer
 from megarl.rollout.prompts import Prompt
 
@@ -45,8 +45,16 @@ def evaluate(engine: RolloutEngine, producer: SampleProducer, prompts_by_set: Ma
     for name, prompts in prompts_by_set.items():
         sampling = set_sampling(config, name, seed, tokenizer.eos_token_id)
         samples = all_samples(engine, producer, list(prompts), sampling)
-        rewards = scored(samples, list(prompts), tokenizer, scorers[name]).batch.rewards.tolist()
-        rows += [EvalRow(name, prompts[s.prompt_index].data_source, s.prompt_index, reward,
-                         len(s.response_ids), s.finish_reason == "length")
-                 for s, reward in zip(samples, rewards)]
+        rows += scored_rows(name, prompts, samples, tokenizer, scorers[name])
     return aggregate(rows, config.pass_k, config.threshold)
+
+
+def scored_rows(name: str, prompts: Sequence[Prompt], samples: Sequence[RolloutSample], tokenizer,
+                scorer: Scorer) -> List[EvalRow]:
+    """Set `name`'s samples (of `prompts`, by prompt_index) scored by `scorer`, as EvalRows: also
+    how rollout ranks of their own score their evaluations (trainer/rollout_evaluation.py).
+    Collective (the Scorer's)."""
+    rewards = scored(list(samples), list(prompts), tokenizer, scorer).batch.rewards.tolist()
+    return [EvalRow(name, prompts[s.prompt_index].data_source, s.prompt_index, reward,
+                    len(s.response_ids), s.finish_reason == "length")
+            for s, reward in zip(samples, rewards)]

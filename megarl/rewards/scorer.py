@@ -64,17 +64,18 @@ def combine(specs: Sequence[RewardSpec], results: Mapping[Tuple[int, str], Resul
 
 
 class Scorer:
-    """Collective over the default world (a single process without one). `models` scores each
-    reward model the table names (its directory -> its ModelScorer)."""
+    """Collective over the default world (a single process without one), or, `collective` False,
+    this process's alone (a rollout leader scoring held-out samples). `models` scores each reward
+    model the table names (its directory -> its ModelScorer)."""
 
     def __init__(self, table: RewardTable, workers: int, timeout_s: float,
-                 models: Optional[Mapping[str, ModelScorer]] = None):
-        self.table, self.models = table, dict(models or {})
+                 models: Optional[Mapping[str, ModelScorer]] = None, collective: bool = True):
+        self.table, self.models, self.collective = table, dict(models or {}), collective
         missing = sorted(set(table.models) - set(self.models))
         if missing:
             raise ValueError(f"reward models {missing} are named by the reward but not loaded")
         self.per_term = any(len(spec.terms) > 1 for spec in table.specs)
-        leader = not dist.is_initialized() or dist.get_rank() == 0
+        leader = not collective or not dist.is_initialized() or dist.get_rank() == 0
         self.pool = scoring_pool(workers, timeout_s, table.names) if leader else None
         # The pool's jobs are waited for in a thread while the reward models run in this one.
         self.waiter = ThreadPoolExecutor(1) if leader else None
@@ -96,7 +97,7 @@ class Scorer:
         scores = None
         if pending is not None:
             scores = combine(specs, dict(zip(jobs, pending.result())), model_scores, self.per_term)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if self.collective and dist.is_initialized() and dist.get_world_size() > 1:
             box = [scores]
             dist.broadcast_object_list(box, src=0)
             scores = box[0]

@@ -1,7 +1,8 @@
 """Streamed generation with partial rollouts: samples generated one engine step at a time, each
 token stamped with the policy version that produced it, requests interrupted at a weight update.
 
-A draw is the prompts of one training step, `sampling.n` samples each; every sample is its own
+A draw is the prompts of one training step (or of one held-out set, keyed by a name), `sampling.n`
+samples each; every sample is its own
 request (n=1, seeded by engine.sample_seed: the seeds engine.generate's one request per prompt
 gives its n samples, so a draw generated without interruption samples exactly what
 engine.generate samples). At a weight update every unfinished request is aborted and
@@ -17,7 +18,7 @@ finished draws go (the rollout server, megarl/trainer/rollout_server.py).
 """
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
@@ -25,11 +26,12 @@ from megarl.rollout.engine import Progress, RolloutSample, SamplingConfig, Strea
 
 INTERRUPTS = ("continue", "restart")
 _RESEED = 1_000_003  # a continued request's seed moves on, so it does not replay its first draws
+Draw = Union[int, str]  # a training step's number, or a held-out set's key
 
 
 @dataclass
 class _Partial:
-    draw: int
+    draw: Draw
     prompt_index: int
     prompt_ids: List[int]
     sampling: SamplingConfig  # n=1, this sample's seed
@@ -54,12 +56,12 @@ class StreamingRollout:
         self.version = 0  # of the weights the engine holds
         self._live: Dict[str, _Partial] = {}  # request id -> its sample
         self._paused: List[_Partial] = []  # unfinished at a weight update, until it is done
-        self._draws: Dict[int, List[_Partial]] = {}
+        self._draws: Dict[Draw, List[_Partial]] = {}
         self._submitted = 0
         self.interrupted = 0  # requests interrupted at weight updates so far
         self.discarded_tokens = 0  # tokens dropped by "restart"
 
-    def start_draw(self, draw: int, prompts: List[List[int]], sampling: SamplingConfig) -> None:
+    def start_draw(self, draw: Draw, prompts: List[List[int]], sampling: SamplingConfig) -> None:
         samples = []
         for index, prompt_ids in enumerate(prompts):
             for j in range(sampling.n):
@@ -115,7 +117,17 @@ class StreamingRollout:
                 sample.response, sample.logprobs, sample.versions = [], [], []
             self._submit(sample)
 
-    def finished_draw(self, draw: int) -> Optional[List[RolloutSample]]:
+    def drop_draw(self, draw: Draw) -> None:
+        """Forget draw `draw`, aborting its unfinished requests (a held-out evaluation whose weights
+        are about to change: it is sampled again, whole, by the new ones)."""
+        del self._draws[draw]
+        unfinished = [request for request, sample in self._live.items() if sample.draw == draw]
+        if unfinished:
+            self.engine.abort(unfinished)
+            for request in unfinished:
+                del self._live[request]
+
+    def finished_draw(self, draw: Draw) -> Optional[List[RolloutSample]]:
         """Draw `draw`'s samples (prompt order, then sample order) once all are finished."""
         samples = self._draws.get(draw)
         if samples is None or not all(s.done for s in samples):

@@ -292,8 +292,11 @@ class RunConfig:
                    else self.generation.producer,
                    "offload_params": self.offload_params,
                    "generation.return_routing / actor.router_replay=rollout": self.engine_returns_routing,
-                   # not yet: the rollout ranks will evaluate between weight pushes
-                   "eval.sets": ", ".join(self.eval.sets)}
+                   # Held-out sets are scored on the rollout ranks (trainer/rollout_evaluation.py);
+                   # reward models run on the trainer ranks.
+                   "eval.sets scored by reward models (rm:)": ", ".join(
+                       name for name, spec in self.eval.sets.items()
+                       if spec.reward_table(self.algo.reward_table).models)}
         for key, value in refused.items():
             if value:
                 raise ValueError(f"{key}={value} is not built for rollout ranks of their own "

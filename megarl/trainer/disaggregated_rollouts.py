@@ -6,16 +6,20 @@ the channel, then streamed over the trainer-rollout bridge by the same sync as t
 engines' (megarl.resharding; the trainer ranks are its sources and hold no destination).
 Every sample is checked against the staleness bound and every step's prompts against this rank's
 own sampler, so the data position saved in checkpoints is the one the rollouts really used.
-When an engine is replaced (engine_supervisor.py), the trainers join the new generation's bridge,
-publish where it starts and push their current weights to it; a push that fails because its
-engine died is pushed again to the replacement. Trainer rank 0 decides each of these turns and
-tells the others, so all trainer ranks take them together.
+Held-out evaluations are requested on the channel and run on the rollout ranks between weight
+pushes (rollout_evaluation.py); evaluate() returns at once, except after the last step, and the
+metrics of those finished meanwhile come back from evaluations(), each with the version it
+evaluated. When an engine is replaced (engine_supervisor.py), the trainers join the new
+generation's bridge, publish where it starts and push their current weights to it; a push that
+fails because its engine died is pushed again to the replacement (an evaluation it was running is
+run by the replacement). Trainer rank 0 decides each of these turns and tells the others, so all
+trainer ranks take them together.
 Does not own generation (rollout_server.py) or the loss for stale samples (the actor's
 rollout_correction, fed each token's own behaviour log-prob).
 """
 
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,6 +72,8 @@ class DisaggregatedRollouts:
                                                 layout.rollout_ep, first_rank=role.first_rollout_rank))
         self.version = None  # of the weights last pushed
         self.weights = None  # (chunks, arch) of the actor: pushed again to a replaced engine
+        self.requested = 0  # held-out evaluations requested so far
+        self.unanswered: List[int] = []  # of them, those whose metrics have not come back (rank 0)
 
     def _agree(self, choice):
         """Trainer rank 0's `choice`, on every trainer rank."""
@@ -129,12 +135,12 @@ class DisaggregatedRollouts:
                                    f"collective_timeout_s={self.config.collective_timeout_s}: {failure}")
             time.sleep(0.01)
 
-    def _wait_for(self, number: int) -> None:
-        """Until step `number`'s rollouts are there, following engine replacements meanwhile."""
+    def _wait_until(self, ready: Callable[[], bool]) -> None:
+        """Until `ready()` (asked on rank 0), following engine replacements meanwhile."""
         while True:
             turn = self._agree(None if self.role.rank else (
                 "replaced" if self.channel.generation() > self.role.generation
-                else "ready" if self.channel.has_rollouts(number) else "wait"))
+                else "ready" if ready() else "wait"))
             if turn == "ready":
                 return
             if turn == "replaced":
@@ -144,7 +150,7 @@ class DisaggregatedRollouts:
                 time.sleep(0.005)
 
     def rollouts(self, number: int) -> Rollouts:
-        self._wait_for(number)
+        self._wait_until(lambda: self.channel.has_rollouts(number))
         sent = self.channel.take_rollouts(number)
         if self.role.rank == 0 and number > 1:
             self.channel.forget_rollouts(number - 1)  # every rank read it before the last step's sync
@@ -164,6 +170,36 @@ class DisaggregatedRollouts:
         return Rollouts(collected, prompts, batch.lengths.tolist(), {
             **sent.metrics, "async/sample_lag_mean": float(lags.double().mean()),
             "async/sample_lag_max": int(lags.max()), "async/engine_restarts": self.role.generation})
+
+    def evaluate(self, version: int) -> Dict[str, float]:
+        """Request the evaluation of the weights after step `version` (the last pushed) and return
+        {} at once: the rollout ranks run it while this rank trains, and its metrics come back from
+        evaluations(). After the last step, wait for it (its weights are the run's result; no
+        push follows, so it runs whole) and return its metrics. Collective."""
+        number, last = self.requested, version == self.config.steps
+        self.requested += 1
+        if self.role.rank == 0:
+            self.channel.request_evaluation(number, version)
+            if not last:
+                self.unanswered.append(number)
+        if not last:
+            return {}
+        self._wait_until(lambda: self.channel.has_evaluation(number))
+        return self._agree(self.channel.evaluation(number).metrics if self.role.rank == 0 else None)
+
+    def evaluations(self) -> List[Tuple[int, Dict[str, float]]]:
+        """(version evaluated, metrics) of the evaluations finished since the last call, oldest
+        first. A request made while an earlier one's evaluation ran is answered by that
+        evaluation, restarted with the newer weights: the earlier one gets no answer of its own.
+        Collective."""
+        found = []
+        if self.role.rank == 0:
+            for number in self.unanswered:
+                if self.channel.has_evaluation(number):
+                    evaluation = self.channel.evaluation(number)
+                    found.append((evaluation.version, evaluation.metrics))
+                    self.unanswered = [n for n in self.unanswered if n > number]
+        return self._agree(found)
 
     def shutdown(self) -> None:
         if self.role.rank == 0:

@@ -220,7 +220,8 @@ def step(run: Run, number: int) -> StepResult:
 
 def _evaluation(run: Run, after: int) -> dict:
     """The held-out metrics of the weights after step `after` (0: the initial ones, a fresh run's
-    at-start evaluation) where one is due, with its seconds; else {}. Collective."""
+    at-start evaluation) where one is due, with the seconds this rank spent on it; else {}.
+    Collective."""
     config = run.config.eval
     due = config.due_after(after, run.config.steps) if after else config.at_start and bool(config.sets)
     if not due:
@@ -228,6 +229,16 @@ def _evaluation(run: Run, after: int) -> dict:
     start = time.perf_counter()
     metrics = run.source.evaluate(after)
     return {**metrics, "time/eval": time.perf_counter() - start}
+
+
+def _log_evaluations(log: MetricsLog, evaluations) -> None:
+    """Rows of their own for evaluations apart from a step's: a fresh run's at-start one, and
+    those rollout ranks of their own finished meanwhile, each at the step whose weights it
+    evaluated (so metrics.jsonl's eval rows may follow later steps' rows). Step 0's is shown."""
+    for number, metrics in evaluations:
+        log.log(number, metrics, trained=False)
+        if number == 0 and log.enabled:
+            console.say("\n".join(summary(metrics, 0)))
 
 
 def _report(run: Run, log: MetricsLog, rollouts: Rollouts) -> None:
@@ -265,15 +276,14 @@ def train(config: RunConfig, resume: Optional[str] = None) -> dict:
     run, done = setup(config, resume, role)
     log = MetricsLog(config.run_dir, config.steps, done + 1, enabled=megatron_groups.is_rank0())
     at_start = _evaluation(run, 0) if done == 0 else {}
-    if at_start:
-        log.log(0, at_start, trained=False)
-        if log.enabled:
-            console.say("\n".join(summary(at_start, 0)))
+    # Rollout ranks of their own return only the request's seconds: the metrics come later.
+    _log_evaluations(log, [(0, at_start)] if any(k.startswith("eval/") for k in at_start) else [])
     every = config.checkpoint.every
     result = None
     for number in range(done + 1, config.steps + 1):
         result = step(run, number)
         log.log(number, {**result.metrics, **_evaluation(run, number)})
+        _log_evaluations(log, run.source.evaluations())
         if every and (number % every == 0 or number == config.steps):
             checkpoint.save(run, number, config.checkpoint.keep)
     log.close()

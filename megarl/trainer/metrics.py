@@ -97,7 +97,8 @@ class MetricsLog:
         """(step, its evaluation metrics) of every row holding some, in step order."""
         found = [(row["step"], {k: v for k, v in row.items() if k.startswith("eval/")})
                  for row in self._rows()]
-        return [(step, metrics) for step, metrics in found if metrics]
+        # Sorted: rollout ranks of their own finish evaluations while later steps are logged.
+        return sorted(((step, metrics) for step, metrics in found if metrics), key=lambda found: found[0])
 
     def close(self) -> None:
         if self.enabled:

@@ -50,7 +50,8 @@ def plot_run(run_dir: str) -> str:
         logged: List[dict] = [json.loads(line) for line in f]
     rows = [r for r in logged if "reward/mean" in r]  # the steps' rows (not the at-start evaluation's)
     steps = [r["step"] for r in rows]
-    evaluated = [r for r in logged if any(k.startswith("eval/") for k in r)]
+    evaluated = sorted((r for r in logged if any(k.startswith("eval/") for k in r)),
+                       key=lambda r: r["step"])  # rollout ranks of their own log them late
     fig, axes = plt.subplots(2, 4 if evaluated else 3, figsize=(20 if evaluated else 15, 7))
     panels = [("reward/mean", "reward (mean)"),
               ("kl/actor_to_reference", "KL to reference (algo.kl_estimator)"),

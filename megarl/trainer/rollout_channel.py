@@ -4,15 +4,18 @@ store (torch.distributed.Store, reachable from every node), under keys of its ow
 Trainer rank 0 writes where each generation of engines starts (the data position and the
 weights' version) and announces every weight push before the push itself (the push runs over the
 bridge group, which the rollout ranks join when they see the announcement); the rollout leader
-puts each step's finished samples, which every trainer rank reads. The engine supervisors count
-generations (a replaced engine starts the next one). Values are pickled. Does not own what either
-side does with them (rollout_server.py, disaggregated_rollouts.py).
+puts each step's finished samples, which every trainer rank reads. Trainer rank 0 requests
+held-out evaluations (numbered; the rollout ranks evaluate the weights they hold when they see a
+new one) and the rollout leader puts each evaluation's metrics under the request it answers. The
+engine supervisors count generations (a replaced engine starts the next one). Values are
+pickled. Does not own what either side does with them (rollout_server.py,
+disaggregated_rollouts.py).
 """
 
 import pickle
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import Callable, List
 
 import torch.distributed as dist
 
@@ -32,6 +35,12 @@ class StepRollouts:
     prompt_indices: List[int]      # the step's prompts (the sampler's draw), for the trainer to check
     samples: List[RolloutSample]   # prompt order, then sample order; each token's version recorded
     metrics: dict                  # the rollout side's, since the previous step's (rollout_server.py)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    version: int   # of the weights evaluated: the step they are the weights after
+    metrics: dict  # eval/<set>/<source>/<metric> (megarl/evaluation), async/eval_s, async/eval_restarts
 
 
 class RolloutChannel:
@@ -84,8 +93,33 @@ class RolloutChannel:
     def stopping(self) -> bool:
         return self._has("stop")
 
-    def wait_for_weights_or_stop(self, generation: int, version: int, poll_s: float = 0.005) -> None:
-        while not (self.weights_announced(generation, version) or self.stopping()):
+    def request_evaluation(self, number: int, version: int) -> None:
+        """Request `number` (0, 1, ...: the requests so far): an evaluation of the weights after
+        step `version`, the last pushed."""
+        self._put(f"eval/request/{number}", version)
+        self.store.add("eval/requests", 1)  # counted once readable
+
+    def evaluation_requests(self) -> int:
+        """How many evaluations were requested so far."""
+        return int(self.store.add("eval/requests", 0))
+
+    def evaluation_version(self, number: int) -> int:
+        return self._get(f"eval/request/{number}")
+
+    def put_evaluation(self, request: int, evaluation: Evaluation) -> None:
+        self._put(f"eval/done/{request}", evaluation)
+
+    def has_evaluation(self, request: int) -> bool:
+        return self._has(f"eval/done/{request}")
+
+    def evaluation(self, request: int) -> Evaluation:
+        """Kept (a few numbers): a replaced engine sees that the request was answered."""
+        return self._get(f"eval/done/{request}")
+
+    def wait_for_weights_or_stop(self, generation: int, version: int, other: Callable[[], bool],
+                                 poll_s: float = 0.005) -> None:
+        """Until weights `version` are announced, the run stops, or `other()` (an evaluation's news)."""
+        while not (self.weights_announced(generation, version) or self.stopping() or other()):
             time.sleep(poll_s)
 
     def has_rollouts(self, step: int) -> bool:

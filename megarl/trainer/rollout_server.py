@@ -7,8 +7,11 @@ the others, so their vLLM schedulers see the same calls):
     with the new weights (megarl/rollout/streaming.py);
   - step n may be drawn once the engine holds version >= n - 1 - max_staleness (its samples are
     then never older than that when step n trains on version n - 1); draw it;
-  - one engine step; the oldest step whose samples are all finished goes to the trainers;
-  - nothing to do -> wait for the next push, or stop.
+  - an evaluation requested (held-out sets) -> its draws go in after the training draws its
+    weights allow (rollout_evaluation.py); a push drops and restarts one in flight;
+  - one engine step; the oldest step whose samples are all finished goes to the trainers; an
+    evaluation whose samples are is scored meanwhile, and its metrics go to them once it is;
+  - nothing to do -> wait for the next push, an evaluation's request or score, or stop.
 Prompts are drawn as the trainer's sampler draws them (same seed, same position: the start the
 trainer publishes for this generation of engines), so the trainer checks every step's prompts.
 Rollouts in flight when the run stops, or when this engine dies, are dropped: the next
@@ -20,6 +23,7 @@ the engine), the trainer's side (disaggregated_rollouts.py) or the channel (roll
 """
 
 import time
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -31,6 +35,7 @@ from megarl.rollout.streaming import StreamingRollout
 from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_channel import RolloutChannel, StepRollouts
+from megarl.trainer.rollout_evaluation import RolloutEvaluations
 from megarl.trainer.rollout_source import step_sampling
 
 WEIGHTS, STOP, GENERATE, WAIT = "weights", "stop", "generate", "wait"
@@ -72,15 +77,20 @@ def serve(config: RunConfig, role: Role) -> None:
     sampler = PromptSampler(len(prompts), data.prompts_per_step, data.seed)
     sampler.load_state_dict(start.sampler_state)
     stream = StreamingRollout(engine, config.async_.partial_rollout)
+    evaluations = (RolloutEvaluations(config, tokenizer, channel, stream, leader=role.rank == 0)
+                   if config.eval.sets else None)
     staleness, bucket = config.async_.max_staleness, config.layout.sync_bucket_mb * 2**20
     version, next_draw, next_send = start.version - 1, start.version + 1, start.version + 1
     drawn = {}  # step -> its prompt indices
     clock = _Clock()
     while True:
-        turn = _decide(channel, role.generation, version, next_draw, staleness, stream, config.steps)
+        turn = _decide(channel, role.generation, version, next_draw, staleness, stream, config.steps,
+                       evaluations)
         if turn == STOP:
             break
         if turn == WEIGHTS:
+            if evaluations is not None:
+                evaluations.drop()
             stream.pause()
             sync_weights([], arch, engine, bucket, links=role.bridge)
             version += 1
@@ -88,7 +98,8 @@ def serve(config: RunConfig, role: Role) -> None:
             clock.lap("sync_s")
         elif turn == WAIT:
             if role.rank == 0:
-                channel.wait_for_weights_or_stop(role.generation, version + 1)
+                channel.wait_for_weights_or_stop(role.generation, version + 1,
+                                                 evaluations.news if evaluations else lambda: False)
             clock.lap("idle_s")
         else:
             while next_draw <= config.steps and next_draw - 1 - staleness <= version:
@@ -96,6 +107,8 @@ def serve(config: RunConfig, role: Role) -> None:
                 stream.start_draw(next_draw, [prompts[i].token_ids for i in drawn[next_draw]],
                                   step_sampling(config, tokenizer, next_draw))
                 next_draw += 1
+            if evaluations is not None:  # after the training draws: vLLM schedules first come first
+                evaluations.start(version)
             if stream.busy():
                 stream.step()
             clock.lap("generate_s")
@@ -107,23 +120,39 @@ def serve(config: RunConfig, role: Role) -> None:
                         "async/interrupted_requests": stream.interrupted,
                         "async/restart_discarded_tokens": stream.discarded_tokens}))
                 next_send += 1
+            if evaluations is not None:
+                evaluations.sampled()
+    if evaluations is not None:
+        evaluations.close()
     engine.shutdown()
 
 
 def _decide(channel: RolloutChannel, generation: int, version: int, next_draw: int, staleness: int,
-            stream: StreamingRollout, steps: int) -> str:
-    """The engine leader's choice for this turn, the same on every rank of the engine."""
-    turn = [None]
+            stream: StreamingRollout, steps: int, evaluations: Optional[RolloutEvaluations]) -> str:
+    """The engine leader's choice for this turn, the same on every rank of the engine, which all
+    take a new evaluation request with it."""
+    choice = [None]
     if dist.get_rank() == 0:
+        request = None
+        if evaluations is not None:
+            evaluations.deliver()
+            request = evaluations.new_request()
+            if request is not None:
+                evaluations.request(*request)
         if channel.weights_announced(generation, version + 1):
-            turn[0] = WEIGHTS
+            turn = WEIGHTS
         elif (stream.busy() or stream.draws_in_flight()  # in flight, or finished but not yet sent
-              or (next_draw <= steps and next_draw - 1 - staleness <= version)):
-            turn[0] = GENERATE
+              or (next_draw <= steps and next_draw - 1 - staleness <= version)
+              or (evaluations is not None and evaluations.startable(version))):
+            turn = GENERATE
         elif channel.stopping():
-            turn[0] = STOP
+            turn = STOP
         else:
-            turn[0] = WAIT
+            turn = WAIT
+        choice[0] = (turn, request)
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(turn, src=0)
-    return turn[0]
+        dist.broadcast_object_list(choice, src=0)
+    turn, request = choice[0]
+    if dist.get_rank() != 0 and request is not None:
+        evaluations.request(*request)
+    return turn

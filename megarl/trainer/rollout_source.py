@@ -14,7 +14,7 @@ evaluation's metrics (megarl/evaluation) or what the step does with the rollouts
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence
+from typing import Dict, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -50,7 +50,12 @@ class RolloutSource(Protocol):
 
     def evaluate(self, version: int) -> Dict[str, float]:
         """The held-out sets' metrics (megarl/evaluation) with the weights after step `version`
-        (0: the initial ones), the last pushed. Collective."""
+        (0: the initial ones), the last pushed; {} where the evaluation runs meanwhile (rollout
+        ranks of their own: its metrics come back from evaluations()). Collective."""
+
+    def evaluations(self) -> List[Tuple[int, Dict[str, float]]]:
+        """(version evaluated, metrics) of the evaluations finished meanwhile since the last call.
+        Collective."""
 
     def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch, version: int) -> None:
         """Make the actor's weights (its Megatron chunks) after step `version` (0: the initial
@@ -131,6 +136,9 @@ class ColocatedRollouts:
         with self._engine_with(version, "the evaluation"):
             return evaluate(self.engine, self.producer, held_out.prompts, held_out.config, self.tokenizer,
                             held_out.scorers, self.config.seed)
+
+    def evaluations(self) -> List[Tuple[int, Dict[str, float]]]:
+        return []  # evaluate() returns each
 
     def _rounds(self, number: int) -> Rollouts:
         extra_rounds = self.config.algo.dynamic_sampling_rounds
