@@ -71,12 +71,14 @@ bench: install
 	@$(BIN)/python bench/bench_memory.py --quick
 
 # The CPU demo: the task's inputs (a tiny Qwen3-MoE warm-started on small additions, its Megatron
-# conversion, the prompts) in runs/demo_inputs, then PPO (GAE + critic) at EP2 on Ray with vLLM
-# rollouts (configs/demo_cpu.yaml); logs, metrics and curves in runs/demo.
+# conversion, the training prompts and the held-out additions) in runs/demo_inputs, then PPO (GAE +
+# critic) at EP2 on Ray with vLLM rollouts (configs/demo_cpu.yaml) with the held-out set's greedy
+# accuracy evaluated before the first step and every 20 steps; logs, metrics and curves in runs/demo.
 demo: install
 	rm -rf runs/demo runs/demo_inputs
 	$(BIN)/python scripts/prepare_demo.py --out runs/demo_inputs
-	$(BIN)/python scripts/train_ppo_moe.py --config configs/demo_cpu.yaml
+	$(BIN)/python scripts/train_ppo_moe.py --config configs/demo_cpu.yaml \
+		eval.sets.heldout.path=runs/demo_inputs/heldout.jsonl eval.every=20
 
 # Conversion and weight-sync checks on a tiny random Qwen3-MoE (also covered by make test): make
 # it, convert it with 2 ranks, check it against HF transformers at TP2 x EP2 (log-probs, loss,

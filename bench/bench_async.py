@@ -1,7 +1,7 @@
 """Asynchronous against synchronous training on a workload whose response lengths have a long
 tail: tokens/s, idle time per role, and both reward curves.
 
-  python bench/bench_async.py [--quick] [--steps N] [--sft-steps S]
+  python bench/bench_async.py [--quick] [--steps N] [--sft-steps S] [--inputs DIR]
 
 The same model, data and number of samples a step, two placements on this machine's cores:
   sync:  colocated, 2 ranks (torchrun): each rank trains (DP2) and runs an engine, in turn;
@@ -9,6 +9,7 @@ The same model, data and number of samples a step, two placements on this machin
          partial rollouts continued across syncs.
 The workload is the demo's addition task on a Qwen2-style model warm-started for only S steps
 (prepare_demo.py --sft-steps S): most responses are short and a few run to max_new_tokens.
+--inputs runs both placements on inputs prepare_demo.py made already (its HF model and prompts).
 Both runs use the demo config's PPO (GAE + critic) with IcePop-free decoupled token IS.
 Measured from each run's metrics.jsonl over the steps after the first (vLLM's warm-up): a step's
 wall time is the sum of its phases (the loop times every phase), tokens/s counts the response
@@ -75,11 +76,13 @@ def main():
     parser.add_argument("--advantage", default="grpo", help="algo.advantage (grpo: no critic and no KL "
                                                              "reference; gae: the demo's heavier trainer)")
     parser.add_argument("--out", default="runs/bench_async")
+    parser.add_argument("--inputs", help="prepare_demo.py's --out folder to use (default: made under "
+                                         "--out, a Qwen2-style model warm-started --sft-steps steps)")
     args = parser.parse_args()
     steps = 6 if args.quick else args.steps
     out = os.path.join(ROOT, args.out)
-    inputs = os.path.join(out, f"inputs_sft{args.sft_steps}")
-    if not os.path.isfile(os.path.join(inputs, "train.jsonl")):
+    inputs = args.inputs or os.path.join(out, f"inputs_sft{args.sft_steps}")
+    if not args.inputs and not os.path.isfile(os.path.join(inputs, "train.jsonl")):
         _run("scripts/prepare_demo.py", "--out", inputs, "--prompts", "2000", "--model", "qwen2",
              "--sft-steps", str(args.sft_steps), "--hf-only")
     common = ("scripts/train_ppo_moe.py", "--config", "configs/demo_cpu.yaml", f"steps={steps}",

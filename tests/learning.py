@@ -1,4 +1,4 @@
-"""The check that a demo run learned, shared by the learning tests of the demos."""
+"""The checks that a demo run learned, shared by the learning tests of the demos."""
 
 from typing import List, Optional
 
@@ -16,3 +16,14 @@ def assert_learned(steps: List[dict], count: int, last: int, min_rise: float,
     if min_kl is not None:
         kl = [s["kl/actor_to_reference"] for s in steps]
         assert sum(kl[-last:]) / last >= min_kl, f"the actor hardly moved from the reference: {kl}"
+
+
+def assert_heldout_rises(rows: List[dict], count: int, min_rise: float, name: str = "heldout") -> None:
+    """The accuracy on held-out set `name` (its prompts are in no training prompt, so recalling
+    the trained ones does not raise it) after the run's last step, `count`, beats the at-start
+    evaluation's (step 0) by `min_rise`."""
+    key = f"eval/{name}/all/accuracy"
+    evaluated = {row["step"]: row[key] for row in rows if key in row}
+    assert {0, count} <= set(evaluated), f"no held-out evaluation at step 0 and step {count}: {evaluated}"
+    assert evaluated[count] - evaluated[0] >= min_rise, \
+        f"held-out accuracy {evaluated[0]:.3f} (step 0) -> {evaluated[count]:.3f} (step {count}): {evaluated}"
