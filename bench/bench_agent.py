@@ -2,9 +2,11 @@
 on waiting (a slow environment) and on work (CPU-bound code in the python sandbox tool).
 
   python bench/bench_agent.py [--quick] [--conversations N] [--python-conversations M] [--python-turns T]
+                              [--inputs DIR]
 
-Both cases run on the demo model (prepare_demo.py --hf-only) in one vLLM engine, with a pool of
-one worker process per conversation, so every environment step or tool call could run at once:
+Both cases run on the demo model (prepare_demo.py --hf-only; --inputs: a folder it made already) in
+one vLLM engine, with a pool of one worker process per conversation, so every environment step or
+tool call could run at once:
   in flight: megarl's AgentLoop, each conversation's next turn submitted as soon as its step is in;
   lockstep:  every live conversation's turn generated as one batch, then every step, then the next
              turn (what a loop that batches turn by turn does).
@@ -199,6 +201,8 @@ def main():
     parser.add_argument("--python-conversations", type=int, default=32)
     parser.add_argument("--python-turns", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--inputs", help="prepare_demo.py's --out folder to use, with at least as many "
+                                         "prompts as conversations (default: made in a temporary folder)")
     args = parser.parse_args()
     out = json_stdout()
     import transformers
@@ -208,9 +212,13 @@ def main():
     count = max(args.conversations, args.python_conversations)
     # The demo's tokenizer is trained on the prompts: a few would leave it too small to train.
     made = max(count, 64)
-    with tempfile.TemporaryDirectory() as inputs:
-        subprocess.run([sys.executable, "scripts/prepare_demo.py", "--out", inputs, "--hf-only",
-                        "--prompts", str(made)], cwd=ROOT, check=True, stdout=sys.stderr)
+    with tempfile.TemporaryDirectory() as made_here:
+        inputs = args.inputs or made_here
+        if not args.inputs:
+            # 8 warm-start steps (the default is 150, for the held-out accuracy): any answers will do here
+            subprocess.run([sys.executable, "scripts/prepare_demo.py", "--out", inputs, "--hf-only",
+                            "--prompts", str(made), "--sft-steps", "8"], cwd=ROOT, check=True,
+                           stdout=sys.stderr)
         model = os.path.join(inputs, "model")
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
         prompts = load_prompts(os.path.join(inputs, "train.jsonl"), tokenizer, 64).prompts[:count]

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.launch import last_json, run
+from tests.launch import finish, last_json, run, start
 
 # Tiers (markers registered in pytest.ini): `pytest -m unit` is `make test-quick`.
 UNIT = "unit"  # in this process only: no subprocess, no process group, no vLLM; seconds
@@ -139,6 +139,18 @@ def pytest_collection_modifyitems(config, items):
                                     f"not have: {stale}")
         item.add_marker(getattr(pytest.mark, tests.get(getattr(item, "originalname", item.name), default)))
 
+def selected_params(request, name: str) -> set:
+    """The values of parameter `name` in the selected tests that use the requesting (module-scoped)
+    fixture: one that launches the work of several cases at once launches only what will be read."""
+    values = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if (item.module is request.module and request.fixturename in item.fixturenames
+                and callspec is not None and name in callspec.params):
+            values.add(callspec.params[name])
+    return values
+
+
 # Every family, plus the variants that break naive code (tied embeddings, one KV head).
 MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1", "glm4_moe",
           "deepseek_v3"]
@@ -159,32 +171,46 @@ def hf_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def verified_sync(hf_models):
-    """scripts/verify_sync.py (actor perturbed by 0.05) at one layout, run once per session per
-    (world, model, flags) and shared: the sync tests and the planner's comparison read one run."""
-    results = {}
+    """get(world, model, flags): scripts/verify_sync.py's report (actor perturbed by 0.05) at one
+    layout, run once per session per (world, model, flags) and shared: the sync tests and the
+    planner's comparison read one run. get.begin(world, model, flags) starts that run in the
+    background (get then waits for it): runs of one rank side by side."""
+    started = {}
+
+    def begin(world: int, model: str, flags):
+        key = (world, model, tuple(flags))
+        if key not in started:
+            started[key] = start("scripts/verify_sync.py", "--hf-dir", hf_models[model], "--perturb", "0.05",
+                                 *flags, nproc=world, timeout=900)
+        return started[key]
 
     def get(world: int, model: str, flags) -> dict:
-        key = (world, model, tuple(flags))
-        if key not in results:
-            results[key] = last_json(run("scripts/verify_sync.py", "--hf-dir", hf_models[model],
-                                         "--perturb", "0.05", *flags, nproc=world, timeout=900))
-        return results[key]
+        return last_json(begin(world, model, flags).result())
 
+    get.begin = begin
     return get
 
 
 @pytest.fixture(scope="session")
+def engine_checks(hf_models):
+    """tests/workers/engine_checks.py on the tiny Qwen3: the sampling tests' observations and the
+    refused updates' messages, from one vLLM engine (tests/test_rollout_engine.py and
+    tests/test_weight_sync.py)."""
+    return last_json(run("tests/workers/engine_checks.py", "--hf-dir", hf_models["qwen3"]))
+
+
+@pytest.fixture(scope="session")
 def megatron_models(hf_models, tmp_path_factory):
-    """Every model converted by the converter script's own function, one launch per world size
-    (tests/test_conversion.py runs the script itself)."""
+    """Every model converted by the converter script's own function, one launch per world size,
+    both at once (tests/test_conversion.py runs the script itself)."""
     import json
 
     root = tmp_path_factory.mktemp("megatron")
     out = {name: str(root / name) for name in hf_models}
-    for nproc in (1, 2):
-        jobs = [["hf_to_megatron", hf_models[name], out[name]] for name in hf_models
-                if (name in TWO_RANK_CONVERSION) == (nproc == 2)]
-        run("tests/workers/convert_models.py", "--jobs", json.dumps(jobs), nproc=nproc, timeout=900)
+    jobs = {nproc: [["hf_to_megatron", hf_models[name], out[name]] for name in hf_models
+                    if (name in TWO_RANK_CONVERSION) == (nproc == 2)] for nproc in (1, 2)}
+    finish(*(start("tests/workers/convert_models.py", "--jobs", json.dumps(work), nproc=nproc, timeout=900)
+             for nproc, work in jobs.items()))
     for path in out.values():
         assert os.path.isfile(os.path.join(path, "megarl_model.json"))
     return out
@@ -192,7 +218,9 @@ def megatron_models(hf_models, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_inputs(tmp_path_factory):
-    """The demo task's prompts (train.jsonl), model (model/) and its Megatron conversion (megatron/)."""
+    """The demo task's prompts (train.jsonl), held-out additions (heldout.jsonl), model (model/) and
+    its Megatron conversion (megatron/), as make demo makes them (test_demo_reward_rises measured
+    its bar on these)."""
     root = tmp_path_factory.mktemp("demo_inputs")
-    run("scripts/prepare_demo.py", "--out", str(root), "--prompts", "200")
+    run("scripts/prepare_demo.py", "--out", str(root))
     return root

@@ -1,5 +1,6 @@
 """Start megarl scripts the way users do: plain python for one rank, torchrun for several."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -24,6 +25,30 @@ def run(script: str, *args: str, nproc: int = 1, timeout: int = 600,
             f"\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+# What start() and in_background() began runs in these threads (each mostly waits on a process).
+_STARTED = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="launch")
+
+
+def in_background(call, *args, **kwargs) -> concurrent.futures.Future:
+    """call(*args, **kwargs) begun now in a thread; .result() waits and returns (or raises) what it
+    would. For launches that need nothing from the ones beside them: a one-rank launch leaves one
+    of the 2 cores idle, and a waiting rank the CPU, so two launches together take less time than
+    one after the other."""
+    return _STARTED.submit(call, *args, **kwargs)
+
+
+def start(script: str, *args: str, **kwargs) -> concurrent.futures.Future:
+    """run() begun now in the background (in_background)."""
+    return in_background(run, script, *args, **kwargs)
+
+
+def finish(*started: concurrent.futures.Future) -> list:
+    """What each started launch returned, in order; all are waited for before a failure is raised
+    (none keeps running into the next test)."""
+    concurrent.futures.wait(started)
+    return [launch.result() for launch in started]
 
 
 def load_script(name: str):

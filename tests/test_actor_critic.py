@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS
-from tests.launch import run
+from tests.launch import finish, start
 
 DENSE, MOE, DEEPSEEK = "qwen3", "qwen3_moe", "deepseek_v3"
 ALGO = {"policy_loss": "gspo", "aggregation": "seq-mean-token-mean", "kl_loss_coeff": 0.1,
@@ -65,7 +65,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def saved(megatron_models, tmp_path_factory):
     """The folder of every layout's results (LAYOUT/CASE.pt, the critic's LAYOUT/critic.pt): one
     launch per world size, which rebuilds the groups for each of its layouts (starting a launch
-    takes 5-15 s here, a layout's updates 1-2 s)."""
+    takes 5-15 s here, a layout's updates 1-2 s); the launches run at once (the one-rank launch
+    would leave a core idle)."""
     import json
 
     root = tmp_path_factory.mktemp("updates")
@@ -76,9 +77,8 @@ def saved(megatron_models, tmp_path_factory):
         if layout in CRITIC:
             spec.append(["critic", "critic", megatron_models[DENSE], CRITIC[layout], {}])
         worlds.setdefault(nproc, []).append([layout, dims, spec])
-    for nproc, layouts in worlds.items():
-        run("tests/workers/actor_update.py", "--layouts", json.dumps(layouts), "--out-dir", str(root),
-            nproc=nproc, timeout=900)
+    finish(*(start("tests/workers/actor_update.py", "--layouts", json.dumps(layouts), "--out-dir", str(root),
+                   nproc=nproc, timeout=900) for nproc, layouts in worlds.items()))
     return root
 
 

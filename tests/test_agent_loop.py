@@ -15,8 +15,22 @@ import pytest
 from megarl.rollout.chat_insert import assistant_close, inserted_text
 from megarl.rollout.tool_calls import ToolCall, hermes
 from megarl.rollout.tools import calculator, python, schema_of
-from tests.launch import ROOT, last_json, run
+from tests.launch import ROOT, last_json, run, start
 from tests.scripted_agent import PIECES, make_scripted_agent
+
+LEARNS = "test_tool_demo_learns_to_call_the_calculator"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tool_demo_inputs(request, tmp_path_factory):
+    """(folder, its launch) of the tool demo's inputs, made as configs/demo_tools_cpu.yaml's header
+    says (prepare_demo.py --task tools --hf-only: a 150-step warm start, over a minute of one
+    core), begun with this module when its learning test is selected: the tests before it run
+    mostly on one core, and the warm start takes the other."""
+    if not any(item.module is request.module and item.name == LEARNS for item in request.session.items):
+        return None
+    inputs = tmp_path_factory.mktemp("tool_demo_inputs")
+    return inputs, start("scripts/prepare_demo.py", "--task", "tools", "--hf-only", "--out", str(inputs))
 
 
 def test_hermes_calls_are_parsed_and_bad_ones_named():
@@ -236,7 +250,7 @@ def test_records_choose_tools_as_verl_lays_them_out():
     assert record_kwargs(verl, "other") == {}
 
 
-def test_tool_demo_learns_to_call_the_calculator(tmp_path):
+def test_tool_demo_learns_to_call_the_calculator(tool_demo_inputs, tmp_path):
     """configs/demo_tools_cpu.yaml itself, on inputs made as its header says (prepare_demo.py --task
     tools --hf-only), for its first 6 steps: GRPO finds out that calling the calculator pays. Steps
     5-6 are judged against the warm start untrained (actor.optim.lr=1e-12, seed 0): 64-77 tool calls
@@ -244,8 +258,8 @@ def test_tool_demo_learns_to_call_the_calculator(tmp_path):
     120.5 calls (mean of steps 5-6) and reward 0.54 -> 0.90. (Measured after every sample got a seed
     of its own, engine.sample_seed. Before, with seeds shared across prompts and shifted by one a
     step, the frozen run drifted from 21 to 74.5 calls, and seeds 0-3 trained reached 105.5-122.)"""
-    inputs, run_dir = tmp_path / "inputs", tmp_path / "run"
-    run("scripts/prepare_demo.py", "--task", "tools", "--hf-only", "--out", str(inputs))
+    (inputs, prepared), run_dir = tool_demo_inputs, tmp_path / "run"
+    prepared.result()
     one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "29537"}  # a world of one without torchrun: the loop in the script's process
     run("scripts/train_ppo_moe.py", "--config", "configs/demo_tools_cpu.yaml",

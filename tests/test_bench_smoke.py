@@ -2,19 +2,26 @@
 that no longer runs, or whose own checks fail, fails here (issue 33: `make bench` broke and
 nothing saw it). Each test reads the bench's JSON lines and checks what they must say whatever
 the machine's load: the cases are there, the work was done and checked. The sizes are chosen for
-time, not for figures, so targets and ratios are not asserted (docs/PERFORMANCE.md has them)."""
+time, not for figures, so targets and ratios are not asserted (docs/PERFORMANCE.md has them); for
+the same reason the benches that run in one process run side by side (ONE_PROCESS)."""
 
+import concurrent.futures
 import json
 import re
 
-from tests.launch import ROOT, run
+import pytest
+
+from tests.launch import ROOT, run, start
 
 
-def _json_lines(*args, timeout: int = 600) -> list:
-    proc = run(*args, timeout=timeout)
+def _lines_of(proc) -> list:
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no JSON line on stdout:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return lines
+
+
+def _json_lines(*args, timeout: int = 600) -> list:
+    return _lines_of(run(*args, timeout=timeout))
 
 
 def _by_case(lines: list, key: str = "case") -> dict:
@@ -23,6 +30,42 @@ def _by_case(lines: list, key: str = "case") -> dict:
 
 SMOKED = {"bench_sync", "bench_sync_plan", "bench_sync_copies", "bench_rollout", "bench_train", "bench_step",
           "bench_async", "bench_rewards", "bench_agent", "bench_memory"}
+# The benches that run in one process (no torchrun) at these sizes: launched together when the first
+# of their tests runs, as each alone would leave one of the 2 cores idle most of its time. test ->
+# (script, its arguments; INPUTS: a folder of its own, DEMO: the session's demo inputs).
+INPUTS, DEMO = "{inputs}", "{demo_inputs}"
+ONE_PROCESS = {
+    "test_bench_sync_plan": ("bench/bench_sync_plan.py", "--quick", "--repeats", "3"),
+    "test_bench_sync_copies": ("bench/bench_sync_copies.py", "--quick", "--experts", "8"),
+    "test_bench_rollout": ("bench/bench_rollout.py", "--smoke", "--inputs", INPUTS),
+    "test_bench_train": ("bench/bench_train.py", "--quick", "--hidden", "128", "--layers", "1", "--vocab",
+                         "512", "--seq-len", "64", "--sequences", "4", "--repeats", "1", "--inputs", INPUTS),
+    "test_bench_rewards": ("bench/bench_rewards.py", "--samples", "16", "--workers", "4", "--timeout-s", "1",
+                           "--math-samples", "32", "--math-workers", "2"),
+    "test_bench_agent": ("bench/bench_agent.py", "--conversations", "4", "--python-conversations", "4",
+                         "--python-turns", "2", "--inputs", DEMO),
+    # --no-phases: its plan-vs-measured case is tests/test_memory_plan.py's
+    "test_bench_memory": ("bench/bench_memory.py", "--tokens", "512", "--vocab", "2048", "--dtype", "float32",
+                          "--no-phases"),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(request, tmp_path_factory):
+    """one_process(test): the JSON lines of its ONE_PROCESS bench. The selected tests' benches are
+    launched at once; a bench that fails fails only its own test."""
+    selected = [item.name for item in request.session.items
+                if item.module is request.module and item.name in ONE_PROCESS]
+
+    def argument(name, arg):
+        if arg == DEMO:
+            return str(request.getfixturevalue("demo_inputs"))
+        return str(tmp_path_factory.mktemp(name)) if arg == INPUTS else arg
+
+    started = {name: start(*(argument(name, arg) for arg in ONE_PROCESS[name]), timeout=900)
+               for name in selected}
+    concurrent.futures.wait(started.values())
+    return lambda name: _lines_of(started[name].result())
 
 
 def test_every_bench_make_bench_runs_is_smoked_here():
@@ -43,32 +86,30 @@ def test_bench_sync(tmp_path):
     assert summary["summary"] and summary["cases"] == 1 and summary["failed"] == [], summary
 
 
-def test_bench_sync_plan():
-    (result,) = _json_lines("bench/bench_sync_plan.py", "--quick", "--repeats", "3")
+def test_bench_sync_plan(one_process):
+    (result,) = one_process("test_bench_sync_plan")
     assert result["plans_built"] == 1 and result["reused_same_plan"], result  # built once, then found
     assert result["first_build_s"] > 0 and result["reuse_s"] > 0 and result["planned_sync_s"] > 0, result
     assert result["rank_copies"] > 0 and result["buckets"] > 1, result
 
 
-def test_bench_sync_copies():
-    (result,) = _json_lines("bench/bench_sync_copies.py", "--quick", "--experts", "8")
+def test_bench_sync_copies(one_process):
+    (result,) = one_process("test_bench_sync_copies")
     assert result["copies"] == 2 * 8, result  # a gate and an up slab per expert
     for key in ("batched_us_per_copy", "one_copy_each_us_per_copy", "views_only_us_per_copy"):
         assert result[key] > 0, result
 
 
-def test_bench_rollout(tmp_path):
-    cases = _by_case(_json_lines("bench/bench_rollout.py", "--smoke", "--inputs", str(tmp_path)))
+def test_bench_rollout(one_process):
+    cases = _by_case(one_process("test_bench_rollout"))
     assert set(cases) == {"rollout_generate_vs_bare", "rollout_collect_vs_bare"}
     for result in cases.values():
         assert result["same_tokens"] and result["tokens_generated"] > 0, result
         assert 0 <= result["own_share"] < 1 and result["bare_seconds"] > 0, result
 
 
-def test_bench_train(tmp_path):
-    cases = _by_case(_json_lines("bench/bench_train.py", "--quick", "--hidden", "128", "--layers", "1",
-                                 "--vocab", "512", "--seq-len", "64", "--sequences", "4", "--repeats", "1",
-                                 "--inputs", str(tmp_path)))
+def test_bench_train(one_process):
+    cases = _by_case(one_process("test_bench_train"))
     assert set(cases) == {"actor_update_vs_bare", "packed_vs_padded"}
     assert cases["actor_update_vs_bare"]["tokens"] > 0
     packed = cases["packed_vs_padded"]
@@ -84,18 +125,18 @@ def test_bench_step(demo_inputs, tmp_path):
     assert 0 < result["sync_share"] < 1 and result["tokens_per_s"] > 0, result
 
 
-def test_bench_async(tmp_path):
+def test_bench_async(demo_inputs, tmp_path):
     (result,) = _json_lines("bench/bench_async.py", "--steps", "2", "--prompts-per-step", "2",
-                            "--max-new-tokens", "16", "--out", str(tmp_path), timeout=900)
+                            "--max-new-tokens", "16", "--inputs", str(demo_inputs), "--out", str(tmp_path),
+                            timeout=900)
     for placement in ("sync", "async"):
         assert result[placement]["steps_measured"] == 1 and result[placement]["tokens_per_s"] > 0, result
     assert result["async"]["rollout_generate_s"] > 0, result  # the rollout rank generated
     assert result["speedup"] > 0, result
 
 
-def test_bench_rewards():
-    cases = _by_case(_json_lines("bench/bench_rewards.py", "--samples", "16", "--workers", "4", "--timeout-s",
-                                 "1", "--math-samples", "32", "--math-workers", "2"))
+def test_bench_rewards(one_process):
+    cases = _by_case(one_process("test_bench_rewards"))
     sleep, math = cases["sleep"], cases["math"]
     # Sleeping functions overlap in the pool whatever the load: 4 workers on 0.2 s sleeps.
     assert sleep["speedup"] > 2, sleep
@@ -104,9 +145,8 @@ def test_bench_rewards():
     assert math["speedup_ceiling"] == min(2, math["cores"]) and math["pooled_s"] > 0, math
 
 
-def test_bench_agent():
-    cases = _by_case(_json_lines("bench/bench_agent.py", "--conversations", "4", "--python-conversations",
-                                 "4", "--python-turns", "2", timeout=900))
+def test_bench_agent(one_process):
+    cases = _by_case(one_process("test_bench_agent"))
     env, tools = cases["slow_env"], cases["python"]
     assert env["conversations"] == 4 and env["turns_total"] >= 4, env
     # Neither mode can beat the environment's own seconds.
@@ -116,10 +156,8 @@ def test_bench_agent():
     assert tools["in_flight_s"] > 0 and tools["lockstep_s"] > 0, tools
 
 
-def test_bench_memory():
-    # --no-phases: its plan-vs-measured case is tests/test_memory_plan.py's
-    cases = _by_case(_json_lines("bench/bench_memory.py", "--tokens", "512", "--vocab", "2048", "--dtype",
-                                 "float32", "--no-phases"))
+def test_bench_memory(one_process):
+    cases = _by_case(one_process("test_bench_memory"))
     assert {"chunked", "full"} <= set(cases) and "skipped" not in cases["full"], cases
     # the chunked path computes what the full-width one does, gradients included
     diffs = {k: v for k, v in cases["chunked_vs_full"].items() if k.startswith("max_abs_diff_")}

@@ -10,7 +10,7 @@ import pytest
 
 from megarl.models import checkpoint
 from megarl.models.hf_io import SafetensorsReader
-from tests.launch import run
+from tests.launch import finish, start
 
 
 def _truncate(path, keep: float = 0.5):
@@ -58,16 +58,18 @@ def test_converters_refuse_broken_inputs(hf_models, megatron_models, tmp_path):
     shutil.copytree(megatron_models["qwen3"], megatron)
     shard = sorted(name for name in os.listdir(megatron) if name.endswith(".distcp"))[-1]
     _truncate(megatron / shard)
-    proc = run("scripts/convert_megatron_to_hf.py", "--megatron-dir", str(megatron), "--out",
-               str(tmp_path / "out"), check=False)
-    assert proc.returncode != 0 and f"shard {shard} has" in proc.stderr, proc.stderr[-3000:]
-    proc = run("scripts/convert_megatron_to_hf.py", "--megatron-dir", str(tmp_path / "nowhere"), "--out",
-               str(tmp_path / "out"), check=False)
-    assert proc.returncode != 0 and "megarl_model.json is missing" in proc.stderr, proc.stderr[-3000:]
     hf = tmp_path / "hf"
     shutil.copytree(hf_models["qwen3"], hf)
     _truncate(hf / "model.safetensors")
-    proc = run("scripts/convert_hf_to_megatron.py", "--hf-dir", str(hf), "--out", str(tmp_path / "m"),
-               check=False)
-    assert proc.returncode != 0 and "not a readable safetensors file" in proc.stderr, proc.stderr[-3000:]
-    assert not (tmp_path / "out").exists() and not (tmp_path / "m").exists()
+    outs = [tmp_path / name for name in ("out", "out_nowhere", "m")]
+    # The three launches at once: each has one rank, and none reads what another writes.
+    procs = finish(
+        start("scripts/convert_megatron_to_hf.py", "--megatron-dir", str(megatron), "--out", str(outs[0]),
+              check=False),
+        start("scripts/convert_megatron_to_hf.py", "--megatron-dir", str(tmp_path / "nowhere"), "--out",
+              str(outs[1]), check=False),
+        start("scripts/convert_hf_to_megatron.py", "--hf-dir", str(hf), "--out", str(outs[2]), check=False))
+    said = [f"shard {shard} has", "megarl_model.json is missing", "not a readable safetensors file"]
+    for proc, message in zip(procs, said):
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]
+    assert not any(out.exists() for out in outs)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import MODELS
-from tests.launch import last_json, load_script, run
+from tests.launch import finish, last_json, load_script, run, start
 
 # Exported by scripts/convert_megatron_to_hf.py itself, one per world size; the others by its
 # function, one launch per world size (tests/workers/convert_models.py: a launch costs more here
@@ -19,19 +19,22 @@ BY_THE_SCRIPT = {"qwen3_moe": 1, "glm4_moe": 2}
 @pytest.fixture(scope="module")
 def exported(megatron_models, tmp_path_factory):
     """{model: the HF export of its Megatron conversion}, made once (the round trip and the
-    transformers check read the same export)."""
+    transformers check read the same export). The four launches run at once: none needs another's
+    output, and two of them have one rank."""
     root = tmp_path_factory.mktemp("exported")
     out = {model: str(root / model) for model in MODELS}
-    batched = {1: [], 2: []}
+    batched, launches = {1: [], 2: []}, []
     for model in MODELS:
         nproc = 1 if model in ("qwen3_moe", "llama") else 2
         if model in BY_THE_SCRIPT:
-            run("scripts/convert_megatron_to_hf.py", "--megatron-dir", megatron_models[model],
-                "--out", out[model], nproc=BY_THE_SCRIPT[model])
+            launches.append(start("scripts/convert_megatron_to_hf.py", "--megatron-dir",
+                                  megatron_models[model], "--out", out[model], nproc=BY_THE_SCRIPT[model]))
         else:
             batched[nproc].append(["megatron_to_hf", megatron_models[model], out[model]])
     for nproc, jobs in batched.items():
-        run("tests/workers/convert_models.py", "--jobs", json.dumps(jobs), nproc=nproc, timeout=900)
+        launches.append(start("tests/workers/convert_models.py", "--jobs", json.dumps(jobs), nproc=nproc,
+                              timeout=900))
+    finish(*launches)
     return out
 
 

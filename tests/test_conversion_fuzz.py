@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from tests.launch import load_script, run
+from tests.launch import finish, load_script, start
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]
 # The CI default: a case per family (seed % 7 picks it), 12 in place of 5 for GLM-4.5: 3 layers
@@ -124,13 +124,11 @@ def round_trips(tmp_path_factory):
                              ["export_hf", megatron, hf, exports["live"]]]
         cases[seed] = (family, fields, hf, {"imported": megatron, **exports})
     notes = {}
-    for jobs in (there, back):
-        for nproc, work in jobs.items():
-            if work:
-                proc = run("tests/workers/convert_models.py", "--jobs", json.dumps(work), nproc=nproc,
-                           timeout=900)
-                done = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"done"')]
-                notes.update({d["done"]: d["notes"] for d in done})
+    for jobs in (there, back):  # each direction's launches at once (one has one rank)
+        for proc in finish(*(start("tests/workers/convert_models.py", "--jobs", json.dumps(work), nproc=nproc,
+                                   timeout=900) for nproc, work in jobs.items() if work)):
+            done = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"done"')]
+            notes.update({d["done"]: d["notes"] for d in done})
     return {seed: (family, fields, hf, {name: (out, notes[out]) for name, out in outs.items()})
             for seed, (family, fields, hf, outs) in cases.items()}
 

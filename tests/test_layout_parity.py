@@ -2,6 +2,7 @@
 log-probs (<= 1e-4 abs), loss and full-parameter gradients (<= 1e-5 relative, max-abs-diff
 over max-abs). Each world size is one torchrun launch that checks all of its layouts' models."""
 
+import concurrent.futures
 import functools
 import json
 import os
@@ -9,8 +10,8 @@ import os
 import pytest
 import torch
 
-from tests.conftest import DEEPSEEK_MODELS, MODELS, MOE_MODELS
-from tests.launch import run
+from tests.conftest import DEEPSEEK_MODELS, MODELS, MOE_MODELS, selected_params
+from tests.launch import run, start
 
 TP_OK = [m for m in MODELS if m != "qwen2_gqa1"]  # one KV head cannot be split over tp=2
 # The DeepSeek-style families at the layouts their issue names (all 2-rank, so cheap); context
@@ -34,22 +35,23 @@ CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model
 
 
 @pytest.fixture(scope="module")
-def results(hf_models, megatron_models, tmp_path_factory):
-    """results(layout)[model], from one launch per world size (made when a test first needs one of
-    its layouts): starting a launch takes longer here than checking a layout's models."""
+def results(request, hf_models, megatron_models, tmp_path_factory):
+    """results(layout)[model], from one launch per world size the selected cases need (1 always:
+    every case compares with it): starting a launch takes longer here than checking a layout's
+    models. The launches run at once (the one-rank launch would leave a core idle); a failed one
+    fails only its own layouts' cases."""
     root = tmp_path_factory.mktemp("parity")
-
-    @functools.lru_cache(maxsize=None)
-    def for_world(world):
-        layouts = [[layout, fields, [[m, hf_models[m], megatron_models[m]] for m in models]]
-                   for layout, (size, fields, models) in LAYOUTS.items() if size == world]
-        run("tests/workers/layout_parity.py", "--layouts", json.dumps(layouts), "--out-dir", str(root),
-            nproc=world, timeout=900)
+    layouts = {world: [[layout, fields, [[m, hf_models[m], megatron_models[m]] for m in models]]
+                       for layout, (size, fields, models) in LAYOUTS.items() if size == world]
+               for world in {1} | {LAYOUTS[layout][0] for layout in selected_params(request, "layout")}}
+    launches = {world: start("tests/workers/layout_parity.py", "--layouts", json.dumps(mine), "--out-dir",
+                             str(root), nproc=world, timeout=900) for world, mine in layouts.items()}
+    concurrent.futures.wait(launches.values())
 
     @functools.lru_cache(maxsize=None)
     def for_layout(layout):
         world, _, models = LAYOUTS[layout]
-        for_world(world)
+        launches[world].result()
         return {m: torch.load(os.path.join(root, layout, f"{m}.pt")) for m in models}
 
     return for_layout

@@ -10,8 +10,6 @@ output and refusals, and the plan against the measured memory of real actor step
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -24,7 +22,7 @@ from megarl.resharding.cluster_plan import plan_cluster
 from megarl.resharding.destination import RolloutLayout, vllm_rank_tensors
 from megarl.resharding.plan import peak_bound
 from megarl.resharding.source_layout import layout_pieces
-from tests.launch import ROOT, last_json, run
+from tests.launch import finish, last_json, run, start
 from tests.published_configs import DEEPSEEK_V3, MIXTRAL_8X7B, QWEN3_30B_A3B
 
 FULL = RecomputeConfig("full", "uniform", 1)
@@ -78,17 +76,16 @@ def test_activations_shrink_with_recompute_tp_and_pipeline_units():
 
 
 def test_plan_memory_script_prints_the_verdict_and_refuses_bad_flags():
-    proc = run("scripts/plan_memory.py", "--hf-config", "docs/configs/qwen3-30b-a3b.json",
-               "--train", "tp=4,ep=8,etp=1", "--rollout", "tp=4", "--nodes", "1",
-               "--micro-batch-tokens", "16384", "--recompute", "none")
+    proc, bad = finish(  # both launches at once: each has one process
+        start("scripts/plan_memory.py", "--hf-config", "docs/configs/qwen3-30b-a3b.json",
+              "--train", "tp=4,ep=8,etp=1", "--rollout", "tp=4", "--nodes", "1",
+              "--micro-batch-tokens", "16384", "--recompute", "none"),
+        start("scripts/plan_memory.py", "--hf-config", "docs/configs/qwen3-30b-a3b.json", "--train", "tp=4",
+              "--recompute", "full:sideways", check=False))
     verdict = last_json(proc)
     assert verdict["fits"] is False and verdict["binding_phase"] == "actor_update"
     assert {"peak_gb_per_gpu", "phase_peaks_gb", "headroom_gb", "binding_phase"} <= set(verdict)
     assert "does NOT fit" in proc.stdout and "set actor.recompute" in proc.stdout
-    bad = subprocess.run([sys.executable, "scripts/plan_memory.py", "--hf-config",
-                          "docs/configs/qwen3-30b-a3b.json", "--train", "tp=4",
-                          "--recompute", "full:sideways"],
-                         cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "recompute" in bad.stderr, bad.stderr
 
 

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from tests.launch import run
+from tests.launch import finish, start
 
 FP32 = 4  # bytes per element of the Adam moments, fp32 main params and fp32 gradients
 # layout -> (nproc, ParallelDims fields, {case: (model, dtype or None, distributed optimizer)})
@@ -30,17 +30,22 @@ CASES = [(layout, case) for layout, (_, _, cases) in LAYOUTS.items() for case in
 
 @pytest.fixture(scope="module")
 def results(hf_models, tmp_path_factory):
-    """{layout: {case: [result of each rank]}}; the single-rank launch also runs the vLLM handoff."""
-    out = {}
+    """{layout: {case: [result of each rank]}}; the single-rank launch also runs the vLLM handoff.
+    The launches run at once (the one-rank launch would leave a core idle)."""
+    folders, launches = {}, []
     for layout, (nproc, dims, cases) in LAYOUTS.items():
-        folder = tmp_path_factory.mktemp(f"offload_{layout}")
+        folders[layout] = tmp_path_factory.mktemp(f"offload_{layout}")
         spec = [[case, hf_models[model], dtype, dist_opt]
                 for case, (model, dtype, dist_opt) in cases.items()]
         vllm = ["--vllm", hf_models["qwen3"]] if layout == "single" else []
-        run("tests/workers/offload_handoff.py", "--layout", json.dumps(dims), "--cases",
-            json.dumps(spec), "--out-dir", str(folder), *vllm, nproc=nproc, timeout=900)
-        names = list(cases) + (["handoff"] if vllm else [])
-        out[layout] = {name: [torch.load(folder / f"{name}_rank{r}.pt") for r in range(nproc)]
+        launches.append(start("tests/workers/offload_handoff.py", "--layout", json.dumps(dims), "--cases",
+                              json.dumps(spec), "--out-dir", str(folders[layout]), *vllm, nproc=nproc,
+                              timeout=900))
+    finish(*launches)
+    out = {}
+    for layout, (nproc, _, cases) in LAYOUTS.items():
+        names = list(cases) + (["handoff"] if layout == "single" else [])
+        out[layout] = {name: [torch.load(folders[layout] / f"{name}_rank{r}.pt") for r in range(nproc)]
                        for name in names}
     return out
 

@@ -12,7 +12,7 @@ import pytest
 
 from megarl.models.hf_config import load_arch
 from megarl.resharding import cluster_plan as cp
-from tests.launch import last_json, load_script, run
+from tests.launch import last_json, load_script, start
 from tests.test_weight_sync import CASES as SYNC_CASES
 
 # The real syncs are tests/test_weight_sync.py's runs of these cases (one run, shared).
@@ -42,6 +42,10 @@ def _split(flags):
 def test_planner_reports_what_the_real_sync_did(case, hf_models, verified_sync, capsys):
     world, model, all_flags = SYNC_CASES[case]
     flags, rollout_tp, bucket_mb = _split(all_flags)
+    argv = ["--hf-config", hf_models[model], "--train", _train(flags) or "tp=1", "--rollout",
+            f"tp={rollout_tp}", "--nodes", "1", "--gpus-per-node", str(world), "--bucket-mb", str(bucket_mb)]
+    # the script's launch (one process, no engine) runs beside the real sync's
+    by_the_script = start("scripts/plan_sync.py", *argv) if case == PRINTED_BY_THE_SCRIPT else None
     real = verified_sync(world, model, all_flags)
     assert real["max_abs_logprob_diff"] <= 1e-4, real
     planned = cp.plan_cluster(load_arch(hf_models[model]), cp.train_dims(_train(flags), world),
@@ -53,10 +57,8 @@ def test_planner_reports_what_the_real_sync_did(case, hf_models, verified_sync, 
     if bucket_mb < 1:
         assert planned.timing.rounds > planned.buckets > 3  # several rounds per bucket exercised
 
-    argv = ["--hf-config", hf_models[model], "--train", _train(flags) or "tp=1", "--rollout",
-            f"tp={rollout_tp}", "--nodes", "1", "--gpus-per-node", str(world), "--bucket-mb", str(bucket_mb)]
-    if case == PRINTED_BY_THE_SCRIPT:
-        printed = last_json(run("scripts/plan_sync.py", *argv))
+    if by_the_script:
+        printed = last_json(by_the_script.result())
     else:
         load_script("plan_sync").main(argv)
         printed = json.loads(capsys.readouterr().out.splitlines()[-1])

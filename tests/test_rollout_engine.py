@@ -11,11 +11,10 @@ from megarl.rollout.vllm_engine import rollout_groups
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_source import step_sampling
 from megarl.trainer.typed_config import load
-from tests.launch import last_json, run
 
 
-def test_sampling_parameters_reach_vllm(hf_models):
-    seen = last_json(run("tests/workers/generate_params.py", "--hf-dir", hf_models["qwen3"]))
+def test_sampling_parameters_reach_vllm(engine_checks):
+    seen = engine_checks
     assert seen["greedy_repeatable"] and seen["seeded_repeatable"]
     assert seen["greedy_lengths"] == [6, 6]
     assert seen["logprob_lengths_match"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.launch import run
+from tests.launch import finish, start
 from tests.workers.value_parity import PAD, rm_rows
 
 # layout -> (world size, ParallelDims fields, model)
@@ -54,14 +54,14 @@ def reward_models(hf_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def saved(value_checkpoints, reward_models, tmp_path_factory):
     """{layout: what the worker saved}: one launch per world size, which rebuilds the groups for
-    each of its layouts (starting a launch takes longer here than computing a layout's values)."""
+    each of its layouts (starting a launch takes longer here than computing a layout's values);
+    the launches run at once (the one-rank launch would leave a core idle)."""
     root = tmp_path_factory.mktemp("values")
     worlds = {}
     for layout, (world, fields, model) in LAYOUTS.items():
         worlds.setdefault(world, []).append([layout, fields, value_checkpoints[model], reward_models[model]])
-    for world, layouts in worlds.items():
-        run("tests/workers/value_parity.py", "--layouts", json.dumps(layouts), "--out-dir", str(root),
-            nproc=world)
+    finish(*(start("tests/workers/value_parity.py", "--layouts", json.dumps(layouts), "--out-dir", str(root),
+                   nproc=world) for world, layouts in worlds.items()))
     return {layout: torch.load(root / f"{layout}.pt") for layout in LAYOUTS}
 
 

