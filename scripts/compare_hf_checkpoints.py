@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from megarl.models.hf_io import SafetensorsReader
+from megarl.models.safetensors_reader import SafetensorsReader
 
 
 def compare(a_dir: str, b_dir: str) -> dict:

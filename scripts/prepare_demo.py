@@ -96,7 +96,8 @@ def warm_start(model_dir: str, tokenizer, traces, steps: int, seed: int):
     from megarl.models import mtp_weights
     from megarl.models.builder import build_model
     from megarl.models.hf_config import arch_from_hf_config
-    from megarl.models.hf_io import SafetensorsReader, gather_hf_tensors, load_hf_weights
+    from megarl.models.hf_io import gather_hf_tensors, load_hf_weights
+    from megarl.models.safetensors_reader import SafetensorsReader
     from megarl.parallel_state import megatron_groups
     from megarl.parallel_state.dims import ParallelDims
 

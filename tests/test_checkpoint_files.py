@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from megarl.models import checkpoint
-from megarl.models.hf_io import SafetensorsReader
+from megarl.models.safetensors_reader import SafetensorsReader
 from tests.launch import finish, start
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.hf_config import ModelArch, load_hf_config
-from megarl.models.hf_io import SafetensorsReader
+from megarl.models.safetensors_reader import SafetensorsReader
 from megarl.resharding.hf_export import export_hf
 
 

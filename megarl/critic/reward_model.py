@@ -26,7 +26,8 @@ from megarl.batch.rollout_batch import RolloutBatch
 from megarl.models import weight_tables
 from megarl.models.builder import build_model
 from megarl.models.hf_config import load_hf_config, reward_model_arch
-from megarl.models.hf_io import SafetensorsReader, load_hf_weights
+from megarl.models.hf_io import load_hf_weights
+from megarl.models.safetensors_reader import SafetensorsReader
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import Request

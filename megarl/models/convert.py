@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from megarl.models import checkpoint, mtp_weights
 from megarl.models.builder import build_model
 from megarl.models.hf_config import arch_from_hf_config, load_hf_config
-from megarl.models.hf_io import SafetensorsReader, load_hf_weights, local_hf_tensors
+from megarl.models.hf_io import load_hf_weights, local_hf_tensors
+from megarl.models.safetensors_reader import SafetensorsReader
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 

@@ -21,6 +21,7 @@ from typing import Dict, Iterable, List, Optional
 from safetensors.torch import save_file
 
 from megarl.models.hf_config import ModelArch
+from megarl.models.safetensors_reader import SafetensorsReader
 
 INDEX = "mtp.index.json"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -38,8 +39,6 @@ def mtp_names(arch: ModelArch, names: Iterable[str]) -> List[str]:
 def source(folder: str, arch: ModelArch):
     """A reader over the MTP tensors of an HF checkpoint folder or of a Megatron checkpoint's
     hf_assets folder; None when there are none."""
-    from megarl.models.hf_io import SafetensorsReader
-
     if os.path.isfile(os.path.join(folder, INDEX)):
         return SafetensorsReader(folder, index=INDEX)
     # No MTP index and no HF weights (a Megatron checkpoint's hf_assets, an HF folder of config
