@@ -41,8 +41,10 @@ from slow_env import QUICK_S, SLOW_S  # noqa: E402
 from megarl.rollout.agent_loop import AgentConfig, AgentLoop  # noqa: E402
 from megarl.rollout.chat_insert import first_prompt_ids, inserted_ids  # noqa: E402
 from megarl.rollout.engine import SamplingConfig  # noqa: E402
+from megarl.rollout.producer import produce  # noqa: E402
 from megarl.rollout.prompts import load_prompts  # noqa: E402
 from megarl.rollout.tools import python as python_tool  # noqa: E402
+from megarl.rollout.turns import TurnDriver  # noqa: E402
 
 ENV = "slow_env:step"
 TARGET_SPEEDUP = 2.0
@@ -110,19 +112,19 @@ def env_case(engine, tokenizer, prompts, seed: int) -> dict:
     # max_turns above the longest conversation: both modes run every environment step, the last too
     config = AgentConfig(interaction=ENV, max_turns=9, tool_workers=len(prompts), tool_timeout_s=60)
     loop = AgentLoop(tokenizer, config)
-    loop.pool.map([(ENV, ("interaction", ([], {"turns": 0, "quick_s": 0.0})))] * len(prompts))
+    loop.pool().map([(ENV, ("interaction", ([], {"turns": 0, "quick_s": 0.0})))] * len(prompts))
     kwargs = [p.extra_info["interaction_kwargs"] for p in prompts]
 
     def answer(live, messages):
         jobs = [(ENV, ("interaction", (m, kwargs[i]))) for i, m in zip(live, messages)]
-        replies = _pool_values(loop.pool, jobs)
+        replies = _pool_values(loop.pool(), jobs)
         return [None if r.get("done") else {"role": "user", "content": r["content"]} for r in replies]
 
     start = time.monotonic()
-    in_flight = [s.events["turns"] for s in loop.produce(engine, prompts, SAMPLING)]
+    in_flight = [s.events["turns"] for s in produce(loop, TurnDriver(engine), prompts, SAMPLING)]
     in_flight_s = time.monotonic() - start
     start = time.monotonic()
-    lockstep = _lockstep(engine, tokenizer, prompts, loop.pool, SAMPLING, config.max_turns, answer)
+    lockstep = _lockstep(engine, tokenizer, prompts, loop.pool(), SAMPLING, config.max_turns, answer)
     lockstep_s = time.monotonic() - start
     loop.close()
     expected = [k["turns"] for k in kwargs]
@@ -158,17 +160,18 @@ def python_case(engine, tokenizer, prompts, turns: int, seed: int) -> dict:
     config = AgentConfig(tools=("python",), parser="python_workload:every_turn_calls_python", max_turns=turns,
                          tool_workers=len(prompts), tool_timeout_s=60)
     loop = AgentLoop(tokenizer, config)
-    _pool_values(loop.pool, [("python", ("tool", {"code": "pass"}))] * len(prompts))  # every worker up
+    _pool_values(loop.pool(), [("python", ("tool", {"code": "pass"}))] * len(prompts))  # every worker up
 
     def answer(live, messages):
-        outputs = _pool_values(loop.pool, [("python", ("tool", {"code": codes[i]})) for i in live])
+        outputs = _pool_values(loop.pool(), [("python", ("tool", {"code": codes[i]})) for i in live])
         return [{"role": "tool", "name": "python", "content": out} for out in outputs]
 
     start = time.monotonic()
-    samples = loop.produce(engine, prompts, PYTHON_SAMPLING)
+    samples = produce(loop, TurnDriver(engine), prompts, PYTHON_SAMPLING)
     in_flight_s = time.monotonic() - start
     start = time.monotonic()
-    lockstep = _lockstep(engine, tokenizer, prompts, loop.pool, PYTHON_SAMPLING, turns, answer, loop.schemas)
+    lockstep = _lockstep(engine, tokenizer, prompts, loop.pool(), PYTHON_SAMPLING, turns, answer,
+                         loop.schemas)
     lockstep_s = time.monotonic() - start
     loop.close()
     for sample, n in zip(samples, loops):

@@ -222,6 +222,7 @@ def evaluate_plan(plan: Plan, convert_dir: Optional[str] = None) -> dict:
     from megarl.parallel_state import megatron_groups
     from megarl.rewards.scorer import Scorer
     from megarl.rollout.producer import load_producer
+    from megarl.rollout.turns import TurnDriver
     from megarl.rollout.vllm_engine import VLLMEngine
 
     config, name = plan.config, plan.set_name
@@ -242,9 +243,10 @@ def evaluate_plan(plan: Plan, convert_dir: Optional[str] = None) -> dict:
         scorer = Scorer(config.eval.sets[name].reward_table(algo.reward_table), algo.reward_workers,
                         algo.reward_timeout_s)
         producer = load_producer(gen.producer, tokenizer, gen.agent)
-        metrics = evaluate(engine, producer, prompts, evaluation, tokenizer, {name: scorer}, config.seed)
+        metrics = evaluate(TurnDriver(engine), producer, prompts, evaluation, tokenizer, {name: scorer},
+                           config.seed)
     finally:
-        closers = (engine and engine.shutdown, scorer and scorer.close, getattr(producer, "close", None))
+        closers = (engine and engine.shutdown, scorer and scorer.close, producer and producer.close)
         for close in filter(None, closers):
             close()
         megatron_groups.destroy()

@@ -9,10 +9,13 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from megarl.rollout.completion import Completion
 from megarl.rollout.engine import SamplingConfig
-from megarl.rollout.streaming import StreamingRollout
+from megarl.rollout.prompts import Prompt
+from megarl.rollout.turns import TurnDriver
 
 PROMPTS = [[5, 17, 33, 2], [8, 9, 10, 11, 12, 13], [40, 41]]
+AS_PROMPTS = [Prompt("", ids, None) for ids in PROMPTS]
 SAMPLING = SamplingConfig(n=2, temperature=1.0, max_new_tokens=24, seed=11)
 STEPS_BEFORE_UPDATE = 9
 
@@ -57,16 +60,16 @@ def _load(engine, hf_dir: str) -> None:
 def _stream(engine, two_versions, interrupt: str):
     """The draw with an update to version 1 after STEPS_BEFORE_UPDATE engine steps."""
     _load(engine, two_versions[0])
-    stream = StreamingRollout(engine, interrupt)
-    stream.start_draw(1, PROMPTS, SAMPLING)
+    driver, completion = TurnDriver(engine, interrupt, version=0), Completion()
+    completion.start(driver, 1, AS_PROMPTS, SAMPLING)
     for _ in range(STEPS_BEFORE_UPDATE):
-        stream.step()
-    stream.pause()
+        completion.step(driver)
+    driver.pause()
     _load(engine, two_versions[1])
-    stream.weights_updated(1)
-    while stream.busy():
-        stream.step()
-    return stream, stream.finished_draw(1)
+    driver.weights_updated(1)
+    while completion.busy():
+        completion.step(driver)
+    return driver, completion.finished(driver, 1)
 
 
 def _check_logprobs(samples, two_versions):
@@ -110,11 +113,11 @@ def test_restarted_requests_are_sampled_by_the_new_weights_only(engine, two_vers
 
 def test_an_uninterrupted_stream_samples_what_generate_samples(engine, two_versions):
     _load(engine, two_versions[0])
-    stream = StreamingRollout(engine)
-    stream.start_draw(3, PROMPTS, SAMPLING)
-    while stream.busy():
-        stream.step()
-    streamed = stream.finished_draw(3)
+    driver, completion = TurnDriver(engine, version=0), Completion()
+    completion.start(driver, 3, AS_PROMPTS, SAMPLING)
+    while completion.busy():
+        completion.step(driver)
+    streamed = completion.finished(driver, 3)
     generated = engine.generate(PROMPTS, SAMPLING)
     assert [s.response_ids for s in streamed] == [s.response_ids for s in generated]
     for s, g in zip(streamed, generated):

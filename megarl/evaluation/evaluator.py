@@ -14,9 +14,10 @@ from megarl.evaluation.config import EvalConfig
 from megarl.evaluation.eval_metrics import EvalRow, aggregate
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.collect import all_samples, scored
-from megarl.rollout.engine import RolloutEngine, RolloutSample, SamplingConfig
+from megarl.rollout.engine import RolloutSample, SamplingConfig
 from megarl.rollout.producer import SampleProducer
 from megarl.rollout.prompts import Prompt
+from megarl.rollout.turns import TurnDriver
 
 
 def set_sampling(config: EvalConfig, name: str, seed: int, eos_token_id: int) -> SamplingConfig:
@@ -30,12 +31,13 @@ def set_sampling(config: EvalConfig, name: str, seed: int, eos_token_id: int) ->
                           seed=seed + zlib.crc32(name.encode()))
 
 
-def evaluate(engine: RolloutEngine, producer: SampleProducer, prompts_by_set: Mapping[str, Sequence[Prompt]],
+def evaluate(driver: TurnDriver, producer: SampleProducer, prompts_by_set: Mapping[str, Sequence[Prompt]],
              config: EvalConfig, tokenizer, scorers: Mapping[str, Scorer], seed: int) -> Dict[str, float]:
     """{`eval/<set>/<source>/<metric>`: value} of every set in `prompts_by_set` (set name -> its
     prompts), each scored by `scorers[set name]`.
 
-    `engine`: awake, holding the weights to evaluate (a VLLMEngine, or any RolloutEngine);
+    `driver`: drives this rank's engine, awake and holding the weights to evaluate (a VLLMEngine,
+    or any StreamingEngine);
     `producer`: how samples are made (rollout/producer.load_producer); `config`: samples,
     temperature, top_p, pass_k, threshold and max_new_tokens (>= 1: RunConfig.eval_config resolves
     0) are read, not its sets; `tokenizer`: the policy's (decodes responses, gives the stop token);
@@ -44,7 +46,7 @@ def evaluate(engine: RolloutEngine, producer: SampleProducer, prompts_by_set: Ma
     rows: List[EvalRow] = []
     for name, prompts in prompts_by_set.items():
         sampling = set_sampling(config, name, seed, tokenizer.eos_token_id)
-        samples = all_samples(engine, producer, list(prompts), sampling)
+        samples = all_samples(driver, producer, list(prompts), sampling)
         rows += scored_rows(name, prompts, samples, tokenizer, scorers[name])
     return aggregate(rows, config.pass_k, config.threshold)
 

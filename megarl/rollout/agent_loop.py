@@ -12,7 +12,11 @@ Token exactness: a sample's response is the exact ids the engine generated, turn
 the exact ids inserted between turns (chat_insert.py: template text and tool outputs tokenized on
 their own, never the decoded conversation again); the loss mask is 1 on generated ids and 0 on
 inserted ones, and each generated id keeps its sampling log-prob. Every turn is a new request for
-the whole conversation so far (the engine's prefix cache serves the repeated prefix).
+the whole conversation so far (the engine's prefix cache serves the repeated prefix; an engine
+that returns routing computes it again, and the last turn's routing is the whole sample's).
+Streamed like every producer (producer.py): conversations of several draws at once, a weight
+update between two engine steps continues (or restarts) the turns in the engine (turns.py) while
+conversations waiting on tools wait on; each generated id keeps the policy version that sampled it.
 
 Limits: `max_turns` assistant turns, `sampling.max_new_tokens` response tokens in all (generated
 and inserted; a conversation that would pass it ends there, finish reason "length"), and
@@ -33,10 +37,12 @@ import torch
 
 from megarl.plugins.worker_pool import Result, WorkerPool
 from megarl.rollout.chat_insert import first_prompt_ids, inserted_ids
+from megarl.rollout.draws import Draw, Draws
 from megarl.rollout.engine import RolloutSample, SamplingConfig, sample_seed
 from megarl.rollout.prompts import Prompt
 from megarl.rollout.tool_calls import ParsedTurn, load_parser
 from megarl.rollout.tools import load_tool, loaded_tools
+from megarl.rollout.turns import Turn, TurnDriver
 
 EVENTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_output_cut", "call_parse_errors",
           "interaction_errors", "budget_ends")
@@ -62,7 +68,7 @@ class AgentConfig:
                              f"tool_timeout_s={self.tool_timeout_s} > 0")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Conversation:
     prompt: Prompt
     prompt_index: int
@@ -73,10 +79,11 @@ class _Conversation:
     response: List[int] = field(default_factory=list)
     mask: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
+    versions: List[int] = field(default_factory=list)  # -1 on inserted ids
     events: Counter = field(default_factory=Counter)
     answers: List[Optional[Dict[str, Any]]] = field(default_factory=list)  # this turn's new messages
-    waiting: Dict[int, Tuple[int, str]] = field(default_factory=dict)  # pool job -> (answer slot, kind)
-    last_turn: List[int] = field(default_factory=list)  # the ids the engine generated last
+    waiting: Dict[int, Tuple[int, str]] = field(default_factory=dict)  # job -> (answer slot, kind)
+    turn: Optional[Turn] = None  # the last turn submitted
     stop: bool = False  # the interaction ended the conversation
     finish_reason: str = ""
 
@@ -84,9 +91,17 @@ class _Conversation:
     def done(self) -> bool:
         return bool(self.finish_reason)
 
-    def sample(self) -> RolloutSample:
+    def live_turn(self) -> Optional[Turn]:
+        return self.turn if self.turn is not None and not self.turn.done else None
+
+    def sample(self, versions: bool) -> RolloutSample:
+        # The last turn's request fed the whole conversation but its last id (a conversation ends
+        # after a generated turn, or before inserting ids it would not have room to answer), so its
+        # routing is every fed id's, computed by the weights that finished the conversation.
         return RolloutSample(self.prompt_ids, self.response, torch.tensor(self.logprobs, dtype=torch.float32),
                              self.prompt_index, self.finish_reason,
+                             routed_experts=self.turn.routed_experts if self.turn is not None else None,
+                             versions=torch.tensor(self.versions, dtype=torch.int64) if versions else None,
                              response_mask=torch.tensor(self.mask, dtype=torch.float32),
                              trajectory=self.messages, events={name: self.events[name] for name in EVENTS})
 
@@ -96,6 +111,11 @@ def _tool_message(name: str, text: str) -> Dict[str, Any]:
 
 
 class AgentLoop:
+    """A streaming SampleProducer (producer.py). On an engine of several ranks every rank runs the
+    same conversations and submits the same turns; only the engine leader runs tools and
+    interactions, in its pool, and each step tells the other ranks which finished with what
+    (TurnDriver.from_leader), so a tool's timeout on one rank cannot make the ranks diverge."""
+
     def __init__(self, tokenizer, config: AgentConfig):
         self.tokenizer, self.config = tokenizer, config
         self.parse = load_parser(config.parser)
@@ -104,11 +124,17 @@ class AgentLoop:
         if len(self.tools) != len(loaded):
             raise ValueError(f"generation.agent.tools={list(config.tools)} name one tool twice")
         self.schemas = [tool.schema for tool in loaded] or None
-        preload = [tool.key for tool in loaded] + ([config.interaction] if config.interaction else [])
-        self.pool = WorkerPool("megarl.rollout.tool_worker", loaded_tools, config.tool_workers,
-                               config.tool_timeout_s, preload)
+        self._preload = [tool.key for tool in loaded] + ([config.interaction] if config.interaction else [])
+        self._pool: Optional[WorkerPool] = None  # the engine leader's, made at its first job
+        self.draws: Draws[_Conversation] = Draws()
+        self._ready: List[_Conversation] = []  # whose next turn can be generated
+        self._turns: Dict[int, _Conversation] = {}  # id(turn in the engine) -> its conversation
+        self._jobs: Dict[int, _Conversation] = {}  # job -> its conversation
+        self._pool_jobs: Dict[int, int] = {}  # the leader's: its pool's job -> job
+        self._submitted_jobs = 0
 
-    def produce(self, engine, prompts: Sequence[Prompt], sampling: SamplingConfig) -> List[RolloutSample]:
+    def start(self, driver: TurnDriver, draw: Draw, prompts: Sequence[Prompt],
+              sampling: SamplingConfig) -> None:
         conversations = []
         for index, prompt in enumerate(prompts):
             use_tools = bool(self.tools) and uses_tools(prompt.extra_info.get("agent_name"))
@@ -117,28 +143,72 @@ class AgentLoop:
                 seed = sample_seed(sampling, index, j)
                 conversations.append(_Conversation(prompt, index, replace(sampling, n=1, seed=seed), opening,
                                                    list(prompt.messages), use_tools))
-        live: Dict[str, _Conversation] = {}  # engine request -> its conversation
-        jobs: Dict[int, _Conversation] = {}  # pool job -> its conversation
-        ready = list(conversations)  # conversations whose next turn can be generated
-        while ready or live or jobs:
-            for c in ready:
-                self._next_turn(c, engine, live)
-            ready = []
-            if live:
-                for progress in engine.step():
-                    if progress.finished:
-                        c = live.pop(progress.request_id)
-                        self._turn_ended(c, progress, jobs)
-                        ready += [c] if c.answers and not c.waiting else []
-            for job, result in self.pool.poll(0.0 if live or ready else 0.05):
-                c = jobs.pop(job)
-                slot, kind = c.waiting.pop(job)
-                c.answers[slot] = (self._tool_answer(c, c.answers[slot], result) if kind == "tool"
-                                   else self._interaction_answer(c, result))
-                ready += [] if c.waiting else [c]
-        return [c.sample() for c in conversations]
+        self.draws.add(draw, conversations)
+        self._ready += conversations
 
-    def _next_turn(self, c: _Conversation, engine, live: Dict[str, _Conversation]) -> None:
+    def step(self, driver: TurnDriver) -> None:
+        """Submit the turns that can go, one engine step, and the tool and interaction results in
+        (waiting up to 50 ms for one when nothing is in the engine)."""
+        ready, self._ready = self._ready, []
+        for c in ready:
+            self._next_turn(c, driver)
+        if driver.busy():
+            for turn in driver.step():
+                c = self._turns.pop(id(turn))
+                self._turn_ended(c, turn, driver)
+                if c.answers and not c.waiting:
+                    self._ready.append(c)
+        wait = 0.0 if driver.busy() or self._ready else 0.05
+        for job, result in driver.from_leader(lambda: self._poll(driver, wait)):
+            c = self._jobs.pop(job)
+            slot, kind = c.waiting.pop(job)
+            c.answers[slot] = (self._tool_answer(c, c.answers[slot], result) if kind == "tool"
+                               else self._interaction_answer(c, result))
+            if not c.waiting:
+                self._ready.append(c)
+
+    def finished(self, driver: TurnDriver, draw: Draw) -> Optional[List[RolloutSample]]:
+        return self.draws.finished(draw, driver.tracks_versions)
+
+    def drop(self, driver: TurnDriver, draw: Draw) -> None:
+        """A dropped conversation's tool jobs still finish (a worker cannot be told to stop one);
+        their results are then ignored."""
+        dropped = set(self.draws.drop(driver, draw))
+        self._ready = [c for c in self._ready if c not in dropped]
+        self._turns = {key: c for key, c in self._turns.items() if c not in dropped}
+        self._jobs = {job: c for job, c in self._jobs.items() if c not in dropped}
+
+    def busy(self) -> bool:
+        return self.draws.unfinished()
+
+    def draws_in_flight(self) -> int:
+        return len(self.draws)
+
+    def _submit_job(self, driver: TurnDriver, c: _Conversation, job_spec) -> int:
+        """A tool or interaction job for conversation `c`: numbered alike on every rank, run by
+        the engine leader alone."""
+        job, self._submitted_jobs = self._submitted_jobs, self._submitted_jobs + 1
+        self._jobs[job] = c
+        if driver.engine.placement.leader:
+            self._pool_jobs[self.pool().submit(job_spec)] = job
+        return job
+
+    def pool(self) -> WorkerPool:
+        """The tool and interaction workers (the engine leader's; made at first use)."""
+        if self._pool is None:
+            self._pool = WorkerPool("megarl.rollout.tool_worker", loaded_tools, self.config.tool_workers,
+                                    self.config.tool_timeout_s, self._preload)
+        return self._pool
+
+    def _poll(self, driver: TurnDriver, wait: float) -> List[Tuple[int, Result]]:
+        """The leader's: (job, result) of the jobs finished since the last poll, those of dropped
+        conversations left out."""
+        if self._pool is None:
+            return []
+        done = [(self._pool_jobs.pop(pool_job), result) for pool_job, result in self._pool.poll(wait)]
+        return [(job, result) for job, result in done if job in self._jobs]
+
+    def _next_turn(self, c: _Conversation, driver: TurnDriver) -> None:
         """Insert this turn's answers (none before the first turn) and generate the next turn, or
         end the conversation where the answers or the budget say so."""
         answers, c.answers = [a for a in c.answers if a is not None], []
@@ -147,7 +217,7 @@ class AgentLoop:
                 c.messages += answers
                 c.finish_reason = "stop"
                 return
-            ids = inserted_ids(self.tokenizer, c.last_turn, [_rendered(a) for a in answers],
+            ids = inserted_ids(self.tokenizer, c.turn.tokens, [_rendered(a) for a in answers],
                                self.schemas if c.use_tools else None)
             c.messages += answers
             if len(c.response) + len(ids) >= c.sampling.max_new_tokens:  # no token left to generate
@@ -157,40 +227,41 @@ class AgentLoop:
             c.response += ids
             c.mask += [0] * len(ids)
             c.logprobs += [0.0] * len(ids)
+            c.versions += [-1] * len(ids)
         turn = c.events["turns"]
         seed = None if c.sampling.seed is None else c.sampling.seed + _TURN_SEED * turn
-        request_id = f"c{id(c)}-t{turn}"
-        live[request_id] = c
         budget = c.sampling.max_new_tokens - len(c.response)
-        engine.submit(request_id, c.prompt_ids + c.response,
-                      replace(c.sampling, max_new_tokens=budget, seed=seed))
+        c.turn = Turn(c.prompt_ids + c.response, replace(c.sampling, max_new_tokens=budget, seed=seed))
+        self._turns[id(c.turn)] = c
+        driver.submit(c.turn)
 
-    def _turn_ended(self, c: _Conversation, progress, jobs: Dict[int, _Conversation]) -> None:
-        c.last_turn = list(progress.token_ids)
-        c.response += progress.token_ids
-        c.mask += [1] * len(progress.token_ids)
-        c.logprobs += progress.logprobs
+    def _turn_ended(self, c: _Conversation, turn: Turn, driver: TurnDriver) -> None:
+        c.response += turn.tokens
+        c.mask += [1] * len(turn.tokens)
+        c.logprobs += turn.logprobs
+        c.versions += turn.versions
         c.events["turns"] += 1
-        text = self.tokenizer.decode(progress.token_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(turn.tokens, skip_special_tokens=True)
         parsed = self.parse(text) if c.use_tools else ParsedTurn(text)
         c.messages.append({"role": "assistant", "content": parsed.content, "tool_calls": [
             {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
             for call in parsed.calls]})
         acts = bool(parsed.calls or parsed.errors or self.config.interaction)
-        if progress.finish_reason == "length":
+        if turn.finish_reason == "length":
             c.finish_reason = "length"
         elif not acts:
-            c.finish_reason = progress.finish_reason or "stop"
+            c.finish_reason = turn.finish_reason or "stop"
         elif c.events["turns"] >= self.config.max_turns:
             c.finish_reason = "max_turns"
         elif parsed.calls or parsed.errors:
-            self._call_tools(c, parsed, jobs)
+            self._call_tools(c, parsed, driver)
         else:
-            job = self.pool.submit((self.config.interaction, ("interaction", (
+            c.answers = [None]
+            job = self._submit_job(driver, c, (self.config.interaction, ("interaction", (
                 [_rendered(m) for m in c.messages], c.prompt.extra_info.get("interaction_kwargs", {})))))
-            c.answers, c.waiting, jobs[job] = [None], {job: (0, "interaction")}, c
+            c.waiting = {job: (0, "interaction")}
 
-    def _call_tools(self, c: _Conversation, parsed: ParsedTurn, jobs: Dict[int, _Conversation]) -> None:
+    def _call_tools(self, c: _Conversation, parsed: ParsedTurn, driver: TurnDriver) -> None:
         c.events["call_parse_errors"] += len(parsed.errors)
         c.answers = [_tool_message("error", f"Error: {error}") for error in parsed.errors]
         extra = c.prompt.extra_info.get("tools_kwargs", {})
@@ -203,10 +274,9 @@ class AgentLoop:
                                                           f"{sorted(self.tools)}"))
                 continue
             arguments = {**call.arguments, **record_kwargs(extra, call.name)}
-            job = self.pool.submit((tool.key, ("tool", arguments)))
+            job = self._submit_job(driver, c, (tool.key, ("tool", arguments)))
             c.waiting[job] = (len(c.answers), "tool")
             c.answers.append(_tool_message(call.name, ""))  # its text when the result comes
-            jobs[job] = c
 
     def _tool_answer(self, c: _Conversation, placeholder: Dict[str, Any], result: Result) -> Dict[str, Any]:
         if result.value is None:
@@ -233,7 +303,8 @@ class AgentLoop:
         return {"role": "user", "content": content or "", "reward": float(reply.get("reward", 0.0))}
 
     def close(self) -> None:
-        self.pool.close()
+        if self._pool is not None:
+            self._pool.close()
 
 
 AGENT_NAMES = {None: True, "tool_agent": True, "single_turn_agent": False, "single_turn": False}

@@ -16,9 +16,10 @@ from megarl.algos.shaping import informative_groups
 from megarl.batch.rollout_batch import RolloutBatch
 from megarl.rewards.functions import Request
 from megarl.rewards.scorer import Scorer
-from megarl.rollout.engine import RolloutEngine, RolloutSample, SamplingConfig, sample_seed
-from megarl.rollout.producer import SampleProducer
+from megarl.rollout.engine import RolloutSample, SamplingConfig, sample_seed
+from megarl.rollout.producer import SampleProducer, produce
 from megarl.rollout.prompts import Prompt
+from megarl.rollout.turns import TurnDriver
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,15 @@ class Collected:
     events: Dict[str, int] = field(default_factory=dict)  # the samples' agent events, summed
 
 
-def all_samples(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
+def all_samples(driver: TurnDriver, producer: SampleProducer, prompts: List[Prompt],
                 sampling: SamplingConfig) -> List[RolloutSample]:
-    """Every engine's samples on every rank, ordered by global prompt index. Collective."""
+    """Every engine's samples on every rank, ordered by global prompt index; `driver` drives this
+    rank's engine. Collective."""
+    engine = driver.engine
     mine = engine.placement.share(len(prompts))
     if mine and sampling.seed is not None:  # the share's seeds are the draw's (engine.sample_seed)
         sampling = replace(sampling, seed=sample_seed(sampling, mine[0], 0))
-    samples = producer.produce(engine, [prompts[i] for i in mine], sampling) if mine else []
+    samples = produce(producer, driver, [prompts[i] for i in mine], sampling) if mine else []
     for sample in samples:
         sample.prompt_index = mine[sample.prompt_index]
     gathered = [None] * dist.get_world_size()
@@ -108,10 +111,10 @@ def _widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
     return out
 
 
-def collect(engine: RolloutEngine, producer: SampleProducer, prompts: List[Prompt],
+def collect(driver: TurnDriver, producer: SampleProducer, prompts: List[Prompt],
             sampling: SamplingConfig, tokenizer, scorer: Scorer) -> Collected:
     """Collective over the world: every rank returns the same batch."""
-    return scored(all_samples(engine, producer, prompts, sampling), prompts, tokenizer, scorer)
+    return scored(all_samples(driver, producer, prompts, sampling), prompts, tokenizer, scorer)
 
 
 def scored(samples: List[RolloutSample], prompts: List[Prompt], tokenizer, scorer: Scorer) -> Collected:

@@ -5,7 +5,7 @@ megarl.resharding only talk to this surface.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -148,12 +148,15 @@ class Progress:
     logprobs: List[float]
     finished: bool
     finish_reason: str = ""
+    # Once finished, on engines started with return_routing: [prompt + response - 1, layers, k]
+    # int16, the experts of every id the request fed through the engine's layers
+    routed_experts: Optional[torch.Tensor] = None
 
 
 class StreamingEngine(RolloutEngine, Protocol):
-    """An engine driven one scheduler step at a time: what asynchronous rollout needs to interrupt
-    requests at a weight update (megarl/rollout/streaming.py drives it; megarl/rollout/agent_loop.py
-    drives it turn by turn)."""
+    """An engine driven one scheduler step at a time, so requests can be interrupted at a weight
+    update and a conversation's next turn submitted as soon as its tools answer: megarl/rollout/
+    turns.py drives it for every producer."""
 
     def submit(self, request_id: str, prompt_ids: List[int], sampling: SamplingConfig) -> None:
         """Queue one sample (sampling.n must be 1)."""
@@ -163,6 +166,9 @@ class StreamingEngine(RolloutEngine, Protocol):
 
     def abort(self, request_ids: Sequence[str]) -> None:
         ...
+
+    def from_leader(self, decide: Callable[[], Any]) -> Any:
+        """decide() run on this engine's leader; what it returned, on every rank of the engine."""
 
 
 def check_update(report: WeightUpdateReport) -> WeightUpdateReport:

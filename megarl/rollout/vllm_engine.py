@@ -125,6 +125,7 @@ class VLLMEngine:
         model, config = self.llm.collective_rpc(_model_and_config)[0]
         self._writer = InPlaceWriter(model, config)
         self._routing = captures[0] if return_routing else None
+        self._streamed: Dict[str, str] = {}  # a streamed request's id -> vLLM's, until it ends
 
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
         self._require_generable()
@@ -156,26 +157,45 @@ class VLLMEngine:
         self._require_generable()
         if sampling.n != 1:
             raise ValueError(f"a streamed request is one sample; got n={sampling.n}")
-        if self._routing is not None:
-            raise ValueError("streamed requests do not return routing yet: start the engine without "
-                             "return_routing")
         from vllm.inputs import TokensPrompt
 
-        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)),
-                                        _params(sampling))
+        if self._routing is not None and not self._routing.recording:
+            self._routing.start()
+        # vLLM's scheduler knows the request by an id of its own (the given one and a suffix)
+        self._streamed[request_id] = self.llm.llm_engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), _params(sampling))
 
     def step(self) -> List[Progress]:
         progressed = []
         for output in self.llm.llm_engine.step():
             (completion,) = output.outputs
+            routed = None
+            if output.finished:
+                internal = self._streamed.pop(output.request_id)
+                if self._routing is not None:
+                    routed = self._routing.pop(internal, list(output.prompt_token_ids) +
+                                               list(completion.token_ids)[:-1])
             progressed.append(Progress(
                 output.request_id, list(completion.token_ids),
                 [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)],
-                output.finished, completion.finish_reason or ""))
+                output.finished, completion.finish_reason or "", routed))
         return progressed
 
     def abort(self, request_ids: Sequence[str]) -> None:
+        internal = [self._streamed.pop(request) for request in request_ids]
         self.llm.llm_engine.abort_request(list(request_ids))
+        if self._routing is not None:
+            self._routing.discard(internal)
+
+    def from_leader(self, decide):
+        if self.layout.tp == 1:
+            return decide()
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()  # this engine's ranks; its gloo group, as megarl calls it between steps
+        box = [decide() if group.rank_in_group == 0 else None]
+        dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
+        return box[0]
 
     def weight_layout(self) -> WeightLayout:
         return self.layout

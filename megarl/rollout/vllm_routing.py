@@ -62,7 +62,8 @@ def capture_at_load(enabled: bool = True):
 
 class RoutingCapture:
     """Bound to one engine's V1 model runner (in this process). Between `start` and `take`, every
-    forward step's routing is kept per request: token ids and expert ids by position."""
+    forward step's routing is kept per request: token ids and expert ids by position. Streamed
+    requests (submitted one by one: VLLMEngine.submit) take theirs with `pop` as each finishes."""
 
     def __init__(self, runner):
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
@@ -120,6 +121,24 @@ class RoutingCapture:
                 [routed[p] for p in range(len(tokens))]).astype(np.int16)
         self.requests = {}
         return found
+
+
+    def pop(self, request: str, fed: List[int]) -> torch.Tensor:
+        """A streamed request's routing [len(fed), layers, k] int16, filed no more: `request` is
+        vLLM's id of it, `fed` every id it fed through the layers (its prompt and all but its last
+        generated token), which the capture must have seen at exactly those positions."""
+        tokens, routed = self.requests.pop(request, ({}, {}))
+        seen = [tokens.get(p) for p in range(len(fed))]
+        if len(tokens) != len(fed) or seen != fed:
+            raise RuntimeError(f"routing of streamed request {request}: {len(tokens)} positions captured "
+                               f"for {len(fed)} ids fed, or other ids at them: the engine computed some "
+                               "elsewhere (prefix cache?) or the capture was not recording")
+        return torch.from_numpy(np.stack([routed[p] for p in range(len(fed))]).astype(np.int16))
+
+    def discard(self, requests: List[str]) -> None:
+        """Forget aborted streamed requests (vLLM's ids)."""
+        for request in requests:
+            self.requests.pop(request, None)
 
 
 def routing_of(found: Dict[Tuple[int, ...], np.ndarray], prompt: List[int],

@@ -16,7 +16,7 @@ from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import RewardTable
 from megarl.rollout.agent_loop import AgentConfig
 from megarl.rollout.prompts import OVERLONG, RecordKeys
-from megarl.rollout.streaming import INTERRUPTS
+from megarl.rollout.turns import INTERRUPTS
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,13 @@ evaluates the weights it holds between weight pushes, while the trainer ranks tr
 Trainer rank 0 requests an evaluation right after pushing the weights to evaluate (loop.py asks
 when eval.* says one is due; disaggregated_rollouts.py); the engine leader reads the request on
 the channel and every rank of the engine takes it in the same turn (rollout_server.py). Each set
-is a streamed draw of its own (megarl/rollout/streaming.py), submitted after the training draws
-the same weights allow, so the engine batches its requests with training's and the trainer waits
-for neither; a weight push never waits for an evaluation. A push that comes while one runs drops
-its draws and the evaluation starts again, whole, with the new weights (async/eval_restarts), so
-its numbers are always those of one version, the one its result names: an evaluation longer than
-a training step is thus put off until the pushes pause (after the last step they stop).
+is a streamed draw of its own of the run's producer (megarl/rollout/producer.py), started after
+the training draws the same weights allow, so the engine batches its requests with training's and
+the trainer waits for neither; a weight push never waits for an evaluation. A push that comes
+while one runs drops its draws and the evaluation starts again, whole, with the new weights
+(async/eval_restarts), so its numbers are always those of one version, the one its result names:
+an evaluation longer than a training step is thus put off until the pushes pause (after the last
+step they stop).
 
 A set is sampled as the colocated and the standalone evaluation sample it (evaluator.set_sampling;
 a streamed draw samples what engine.generate does). The engine leader scores it, in a thread of
@@ -32,7 +33,8 @@ from megarl.evaluation.evaluator import scored_rows, set_sampling
 from megarl.evaluation.sets import HeldOut, load_sets
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.engine import RolloutSample
-from megarl.rollout.streaming import StreamingRollout
+from megarl.rollout.producer import SampleProducer
+from megarl.rollout.turns import TurnDriver
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_channel import Evaluation, RolloutChannel
 
@@ -56,8 +58,8 @@ class RolloutEvaluations:
     """Every rank of the engine holds one; `leader`: the engine leader's, which reads requests,
     scores and delivers."""
 
-    def __init__(self, config: RunConfig, tokenizer, channel: RolloutChannel, stream: StreamingRollout,
-                 leader: bool):
+    def __init__(self, config: RunConfig, tokenizer, channel: RolloutChannel, producer: SampleProducer,
+                 driver: TurnDriver, leader: bool):
         data, algo = config.data, config.algo
         self.config, self.leader = config.eval_config, leader
         if leader:
@@ -71,7 +73,8 @@ class RolloutEvaluations:
             self.scoring = ThreadPoolExecutor(1)
         else:
             self.prompts = load_sets(self.config, tokenizer, data.max_prompt_len, data.overlong_prompts)
-        self.seed, self.tokenizer, self.channel, self.stream = config.seed, tokenizer, channel, stream
+        self.seed, self.tokenizer, self.channel = config.seed, tokenizer, channel
+        self.producer, self.driver = producer, driver
         self.seen = 0  # requests the leader has read
         self.pending: Optional[_Pending] = None  # taken, being sampled
         self.scored: List[Tuple[int, Future]] = []  # the leader's: (request, its Evaluation), oldest first
@@ -110,7 +113,7 @@ class RolloutEvaluations:
             return
         for name, prompts in self.prompts.items():
             sampling = set_sampling(self.config, name, self.seed, self.tokenizer.eos_token_id)
-            self.stream.start_draw(_draw(name), [p.token_ids for p in prompts], sampling)
+            self.producer.start(self.driver, _draw(name), prompts, sampling)
         self.pending.version, self.pending.started = version, time.perf_counter()
 
     def drop(self) -> None:
@@ -121,7 +124,7 @@ class RolloutEvaluations:
             return
         for name in self.prompts:
             if name not in pending.samples:
-                self.stream.drop_draw(_draw(name))
+                self.producer.drop(self.driver, _draw(name))
         pending.version, pending.samples = None, {}
         pending.restarts += 1
 
@@ -132,7 +135,7 @@ class RolloutEvaluations:
         if pending is None or pending.version is None:
             return
         for name in self.prompts:
-            samples = None if name in pending.samples else self.stream.finished_draw(_draw(name))
+            samples = None if name in pending.samples else self.producer.finished(self.driver, _draw(name))
             if samples is not None:
                 pending.samples[name] = samples
         if len(pending.samples) == len(self.prompts):

@@ -4,7 +4,7 @@ rollouts while the trainer ranks train, with weights at most async.max_staleness
 The loop, on every rank of the engine in lockstep (the engine leader decides each turn and tells
 the others, so their vLLM schedulers see the same calls):
   - a weight push announced -> join it over the bridge; unfinished requests continue (or restart)
-    with the new weights (megarl/rollout/streaming.py);
+    with the new weights (megarl/rollout/turns.py);
   - step n may be drawn once the engine holds version >= n - 1 - max_staleness (its samples are
     then never older than that when step n trains on version n - 1); draw it;
   - an evaluation requested (held-out sets) -> its draws go in after the training draws its
@@ -18,8 +18,12 @@ Rollouts in flight when the run stops, or when this engine dies, are dropped: th
 generation, or a resumed run, draws again from the trainer's position (the same prompts and
 seeds).
 
-Owns the rollout ranks' side of asynchronous training. Does not own generation (streaming.py,
-the engine), the trainer's side (disaggregated_rollouts.py) or the channel (rollout_channel.py).
+Samples are made by the run's SampleProducer (megarl/rollout/producer.py: completions, the agent
+loop, a user's), the one colocated engines use, streamed: several draws in flight, weight updates
+between engine steps; with returned routing each sample carries its last request's.
+
+Owns the rollout ranks' side of asynchronous training. Does not own generation (the producer,
+turns.py, the engine), the trainer's side (disaggregated_rollouts.py) or the channel (rollout_channel.py).
 """
 
 import time
@@ -30,8 +34,9 @@ import torch.distributed as dist
 from megarl.models.hf_config import arch_from_hf_config, load_hf_config
 from megarl.parallel_state.roles import Role
 from megarl.resharding.sync import sync_weights
+from megarl.rollout.producer import SampleProducer, load_producer
 from megarl.rollout.prompts import PromptSampler, load_prompts
-from megarl.rollout.streaming import StreamingRollout
+from megarl.rollout.turns import TurnDriver
 from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_channel import RolloutChannel, StepRollouts
@@ -71,30 +76,32 @@ def serve(config: RunConfig, role: Role) -> None:
                         rollout_ep=config.layout.rollout_ep, seed=config.seed, dtype=arch.dtype,
                         kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
                         max_model_len=data.max_prompt_len + gen.max_new_tokens,
+                        return_routing=config.engine_returns_routing,
                         router_fp32=config.model.router_fp32, sync_first_rank=role.first_rollout_rank)
     channel = RolloutChannel(role.store)
     start = channel.wait_start(role.generation)
     sampler = PromptSampler(len(prompts), data.prompts_per_step, data.seed)
     sampler.load_state_dict(start.sampler_state)
-    stream = StreamingRollout(engine, config.async_.partial_rollout)
-    evaluations = (RolloutEvaluations(config, tokenizer, channel, stream, leader=role.rank == 0)
+    producer = load_producer(gen.producer, tokenizer, gen.agent)
+    driver = TurnDriver(engine, config.async_.partial_rollout, version=0)
+    evaluations = (RolloutEvaluations(config, tokenizer, channel, producer, driver, leader=role.rank == 0)
                    if config.eval.sets else None)
     staleness, bucket = config.async_.max_staleness, config.layout.sync_bucket_mb * 2**20
     version, next_draw, next_send = start.version - 1, start.version + 1, start.version + 1
     drawn = {}  # step -> its prompt indices
     clock = _Clock()
     while True:
-        turn = _decide(channel, role.generation, version, next_draw, staleness, stream, config.steps,
+        turn = _decide(channel, role.generation, version, next_draw, staleness, producer, config.steps,
                        evaluations)
         if turn == STOP:
             break
         if turn == WEIGHTS:
             if evaluations is not None:
                 evaluations.drop()
-            stream.pause()
+            driver.pause()
             sync_weights([], arch, engine, bucket, links=role.bridge)
             version += 1
-            stream.weights_updated(version)
+            driver.weights_updated(version)
             clock.lap("sync_s")
         elif turn == WAIT:
             if role.rank == 0:
@@ -104,31 +111,32 @@ def serve(config: RunConfig, role: Role) -> None:
         else:
             while next_draw <= config.steps and next_draw - 1 - staleness <= version:
                 drawn[next_draw] = sampler.next_batch()
-                stream.start_draw(next_draw, [prompts[i].token_ids for i in drawn[next_draw]],
-                                  step_sampling(config, tokenizer, next_draw))
+                producer.start(driver, next_draw, [prompts[i] for i in drawn[next_draw]],
+                               step_sampling(config, tokenizer, next_draw))
                 next_draw += 1
             if evaluations is not None:  # after the training draws: vLLM schedules first come first
                 evaluations.start(version)
-            if stream.busy():
-                stream.step()
+            if producer.busy():
+                producer.step(driver)
             clock.lap("generate_s")
-            samples = stream.finished_draw(next_send)
+            samples = producer.finished(driver, next_send)
             if samples is not None:
                 if role.rank == 0:
                     channel.put_rollouts(StepRollouts(next_send, drawn.pop(next_send), samples, {
                         **{f"async/rollout_{k}": v for k, v in clock.take().items()},
-                        "async/interrupted_requests": stream.interrupted,
-                        "async/restart_discarded_tokens": stream.discarded_tokens}))
+                        "async/interrupted_requests": driver.interrupted,
+                        "async/restart_discarded_tokens": driver.discarded_tokens}))
                 next_send += 1
             if evaluations is not None:
                 evaluations.sampled()
     if evaluations is not None:
         evaluations.close()
+    producer.close()
     engine.shutdown()
 
 
 def _decide(channel: RolloutChannel, generation: int, version: int, next_draw: int, staleness: int,
-            stream: StreamingRollout, steps: int, evaluations: Optional[RolloutEvaluations]) -> str:
+            producer: SampleProducer, steps: int, evaluations: Optional[RolloutEvaluations]) -> str:
     """The engine leader's choice for this turn, the same on every rank of the engine, which all
     take a new evaluation request with it."""
     choice = [None]
@@ -141,7 +149,7 @@ def _decide(channel: RolloutChannel, generation: int, version: int, next_draw: i
                 evaluations.request(*request)
         if channel.weights_announced(generation, version + 1):
             turn = WEIGHTS
-        elif (stream.busy() or stream.draws_in_flight()  # in flight, or finished but not yet sent
+        elif (producer.busy() or producer.draws_in_flight()  # in flight, or finished but not yet sent
               or (next_draw <= steps and next_draw - 1 - staleness <= version)
               or (evaluations is not None and evaluations.startable(version))):
             turn = GENERATE

@@ -27,9 +27,10 @@ from megarl.models.hf_config import ModelArch
 from megarl.resharding.sync import sync_weights
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.collect import Collected, collect, keep_informative
-from megarl.rollout.engine import RolloutEngine, SamplingConfig
+from megarl.rollout.engine import SamplingConfig, StreamingEngine
 from megarl.rollout.producer import SampleProducer
 from megarl.rollout.prompts import Prompt, PromptSampler
+from megarl.rollout.turns import TurnDriver
 from megarl.trainer.config import RunConfig
 
 
@@ -89,12 +90,13 @@ class ColocatedRollouts:
     then trains. The engine keeps nothing while it sleeps (VLLMEngine.release_memory), so each
     step syncs the weights last pushed before it generates."""
 
-    def __init__(self, config: RunConfig, engine: RolloutEngine, producer: SampleProducer, tokenizer,
+    def __init__(self, config: RunConfig, engine: StreamingEngine, producer: SampleProducer, tokenizer,
                  prompts: List[Prompt], sampler: PromptSampler, scorer: Scorer,
                  actor: TrainState, others: Sequence[TrainState], held_out: HeldOut):
         """`actor`: the training state whose weights are pushed (its parameters are the sync's
         source); `others` (the critic's): moved off the device too while the engine runs."""
         self.config, self.engine, self.producer, self.tokenizer = config, engine, producer, tokenizer
+        self.driver = TurnDriver(engine)  # one version a draw: no versions stamped
         self.prompts, self.sampler, self.scorer = prompts, sampler, scorer
         self.actor, self.others = actor, list(others)
         self.held_out = held_out
@@ -134,7 +136,7 @@ class ColocatedRollouts:
     def evaluate(self, version: int) -> Dict[str, float]:
         held_out = self.held_out
         with self._engine_with(version, "the evaluation"):
-            return evaluate(self.engine, self.producer, held_out.prompts, held_out.config, self.tokenizer,
+            return evaluate(self.driver, self.producer, held_out.prompts, held_out.config, self.tokenizer,
                             held_out.scorers, self.config.seed)
 
     def evaluations(self) -> List[Tuple[int, Dict[str, float]]]:
@@ -147,7 +149,7 @@ class ColocatedRollouts:
         for round_ in range(extra_rounds + 1):
             batch_prompts = [self.prompts[i] for i in self.sampler.next_batch()]
             sampling = step_sampling(self.config, self.tokenizer, number, round_)
-            parts.append(collect(self.engine, self.producer, batch_prompts, sampling, self.tokenizer,
+            parts.append(collect(self.driver, self.producer, batch_prompts, sampling, self.tokenizer,
                                  self.scorer))
             prompts += batch_prompts
             if not extra_rounds:
@@ -173,6 +175,4 @@ class ColocatedRollouts:
         self.engine.shutdown()
         self.held_out.close(self.scorer)
         self.scorer.close()
-        close = getattr(self.producer, "close", None)  # producers holding processes (the agent's tools)
-        if close is not None:
-            close()
+        self.producer.close()

@@ -12,7 +12,9 @@ import transformers
 
 from megarl.rollout.agent_loop import AgentConfig, AgentLoop
 from megarl.rollout.engine import SamplingConfig
+from megarl.rollout.producer import produce
 from megarl.rollout.prompts import Prompt
+from megarl.rollout.turns import TurnDriver
 from megarl.rollout.vllm_engine import VLLMEngine
 
 
@@ -21,6 +23,7 @@ class Tapped:
 
     def __init__(self, engine):
         self.engine, self.submitted, self.generated = engine, {}, {}
+        self.placement, self.abort, self.from_leader = engine.placement, engine.abort, engine.from_leader
 
     def submit(self, request_id, prompt_ids, sampling):
         self.submitted[request_id] = list(prompt_ids)
@@ -52,7 +55,8 @@ def main():
     loop = AgentLoop(tokenizer, AgentConfig(tools=("tests.agent_tools:calculator",), max_turns=3,
                                             max_tool_output_chars=100, tool_timeout_s=2.0, tool_workers=2))
     start = time.monotonic()
-    samples = loop.produce(engine, prompts, SamplingConfig(n=2, temperature=1.0, max_new_tokens=96, seed=0))
+    samples = produce(loop, TurnDriver(engine), prompts,
+                      SamplingConfig(n=2, temperature=1.0, max_new_tokens=96, seed=0))
     seconds = time.monotonic() - start
     loop.close()
     print(json.dumps({
