@@ -65,14 +65,26 @@ BASE = {"model": {"hf_dir": "m"}, "data": {"path": "d.jsonl"}}
      r"async.partial_rollout='resume'; choose one of \('continue', 'restart'\)"),
     ({"layout": {"rollout_world_size": 2}}, r"layout.rollout_world_size=2: .* layout.rollout_tp=1"),
     ({"layout": {"rollout_world_size": 1}, "algo": {"dynamic_sampling_rounds": 2}},
-     r"algo.dynamic_sampling_rounds=2 is not built for rollout ranks of their own"),
-    ({"layout": {"rollout_world_size": 1}, "actor": {"router_replay": "rollout"}},
-     r"actor.router_replay=rollout=True is not built"),
-    ({"layout": {"rollout_world_size": 1}, "offload_params": True}, r"offload_params=True is not built"),
+     r"algo.dynamic_sampling_rounds=2 with rollout ranks of their own \(layout.rollout_world_size=1\): "
+     r"not built yet"),
+    ({"layout": {"rollout_world_size": 1}, "offload_params": True},
+     r"offload_params=True with rollout ranks .*: the trainer ranks hold no engine"),
 ])
 def test_asynchronous_configs_that_cannot_work_are_refused(extra, message):
     with pytest.raises(ValueError, match=message):
         build(RunConfig, {**BASE, **extra})
+
+
+@pytest.mark.parametrize("extra", [
+    {"actor": {"router_replay": "rollout"}},  # routing streams with each sample
+    {"generation": {"producer": "agent", "return_routing": True}},
+    {"generation": {"producer": "my_rollouts:make_producer"}},  # a user's, loaded at setup
+    {"generation": {"producer": "agent"}, "layout": {"rollout_world_size": 2, "rollout_tp": 2}},
+])
+def test_what_composes_with_rollout_ranks_of_their_own_is_accepted(extra):
+    layout = {"rollout_world_size": 1, **extra.get("layout", {})}
+    config = build(RunConfig, {**BASE, **extra, "layout": layout, "async": {"max_staleness": 1}})
+    assert config.layout.disaggregated and config.async_.max_staleness == 1
 
 
 def test_async_is_the_yaml_key_of_the_async_section():

@@ -20,18 +20,31 @@ import time
 
 import pytest
 
-from tests.launch import ROOT, run
+from tests.launch import ROOT, finish, run, start
 from tests.learning import assert_learned
 
 SCRIPT = "scripts/train_ppo_moe.py"
 
 
+def _tail_inputs(root, model: str):
+    """The demo's task on a `model`-style model warm-started for 1 step (the runs load the HF
+    checkpoint: model.megatron_dir=null)."""
+    return start("scripts/prepare_demo.py", "--out", str(root), "--prompts", "200", "--model", model,
+                 "--sft-steps", "1", "--hf-only", "--max-operand", "4", "--heldout", "0")
+
+
 @pytest.fixture(scope="module")
-def tail_inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tail_inputs")
-    run("scripts/prepare_demo.py", "--out", str(root), "--prompts", "200", "--model", "qwen2",
-        "--sft-steps", "1", "--hf-only")  # the runs load the HF checkpoint (model.megatron_dir=null)
-    return root
+def tail_models(tmp_path_factory):
+    """{"qwen2": inputs, "qwen3_moe": inputs}, made side by side; the MoE one for the run whose
+    engine returns routing."""
+    made = {model: tmp_path_factory.mktemp(f"tail_{model}") for model in ("qwen2", "qwen3_moe")}
+    finish(*(_tail_inputs(root, model) for model, root in made.items()))
+    return made
+
+
+@pytest.fixture(scope="module")
+def tail_inputs(tail_models):
+    return tail_models["qwen2"]
 
 
 def _args(inputs, run_dir, *extra):
@@ -133,15 +146,18 @@ def _torchrun(inputs, run_dir, *extra) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def staleness_runs(tail_inputs, tmp_path_factory):
+def staleness_runs(tail_models, tmp_path_factory):
     """Two runs started together (most of a run is start-up; one alone leaves a core idle):
-    staleness 1 with partial rollouts continued, whose engine is killed with kill -9 once step 2
-    is logged; staleness 2 with partial rollouts restarted, evaluating HELD_OUT prompts scored by
-    slow_exact_match after steps 3 and 6. {name: (run dir, output, return code)} and the killed
-    engine's pid."""
+    staleness 1 with partial rollouts continued, on the MoE model with the engine's routing
+    returned (the trainer's routers route on their own, to be compared with it), whose engine is
+    killed with kill -9 once step 2 is logged; staleness 2 with partial rollouts restarted,
+    evaluating HELD_OUT prompts scored by slow_exact_match after steps 3 and 6. {name: (run dir,
+    output, return code)} and the killed engine's pid."""
     root = tmp_path_factory.mktemp("staleness_runs")
     killed, restarted = root / "killed", root / "restarted"
-    first = _torchrun(tail_inputs, killed, "steps=6", "async.max_staleness=1")
+    tail_inputs = tail_models["qwen2"]
+    first = _torchrun(tail_models["qwen3_moe"], killed, "steps=6", "async.max_staleness=1",
+                      "generation.return_routing=true", "actor.router_replay=off")
     second = _torchrun(tail_inputs, restarted, "steps=6", "async.max_staleness=2",
                        "async.partial_rollout=restart", "eval.at_start=false", "eval.every=3",
                        *_held_out(tail_inputs, 4, f"eval.sets.heldout.reward={SLOW_REWARD}"))
@@ -172,6 +188,22 @@ def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(staleness_runs
     # The replacement got the current weights: after it, tokens of the trainer's own version
     # still get their log-probs back exactly (checked in _check_bounds) and some exist.
     assert any("async/mismatch_lag0_max" in s for s in steps[2:])
+
+
+def test_streamed_routing_is_the_trainers_own_at_lag_zero(staleness_runs):
+    """The killed run's engine returns each sample's routing, through a partial rollout continued
+    across weight pushes and an engine replacement: a sample carries its last request's routing,
+    computed by its newest version, so where that version is the trainer's the trainer's routers
+    (routing on their own here) chose exactly the engine's experts (routing/*_lag0 exactly 0; a
+    sample's routing from before its continuation, or from its first version, would differ)."""
+    run_dir, output, code = staleness_runs[0]["killed"]
+    assert code == 0, output[-4000:]
+    steps = _steps(run_dir)
+    lag0 = [s for s in steps if "routing/topk_diff_fraction_lag0" in s]
+    seen = [(s["step"], s.get("routing/topk_diff_fraction_lag0"), s["routing/topk_diff_fraction"],
+             s["async/mixed_version_samples"]) for s in steps]
+    assert len(lag0) >= 3 and all(s["routing/topk_diff_fraction_lag0"] == 0 for s in lag0), seen
+    assert any(s["async/mixed_version_samples"] > 0 for s in lag0), seen
 
 
 def test_restarted_partial_rollouts_stay_within_staleness_two(staleness_runs):

@@ -27,6 +27,12 @@ def sequence_lags(versions: torch.Tensor, mask: torch.Tensor, trainer_version: i
     return torch.where(mask.bool().any(-1), trainer_version - oldest, 0)
 
 
+def newest_versions(versions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N] each sequence's newest version (its last request's weights, which also computed the
+    engine's routing of all its tokens); -1 for a row without real tokens."""
+    return torch.where(mask.bool(), versions, -1).max(-1).values
+
+
 def staleness_metrics(versions: torch.Tensor,  # [N, L] long, per token
                       mask: torch.Tensor,  # [N, L] response tokens
                       trainer_version: int,
@@ -36,7 +42,7 @@ def staleness_metrics(versions: torch.Tensor,  # [N, L] long, per token
     lags = token_lags(versions, mask, trainer_version)
     gap = (old_logprobs - rollout_logprobs)[mask.bool()].abs().to(torch.float64)
     real = mask.bool()
-    newest = torch.where(real, versions, -1).max(-1).values
+    newest = newest_versions(versions, mask)
     oldest = trainer_version - sequence_lags(versions, mask, trainer_version)
     out = {"async/version_lag_mean": float(lags.double().mean()), "async/version_lag_max": int(lags.max()),
            "async/stale_token_fraction": float((lags > 0).double().mean()),

@@ -274,34 +274,31 @@ class RunConfig:
             raise ValueError(f"eval.max_new_tokens={self.eval.max_new_tokens} exceeds generation."
                              f"max_new_tokens={self.generation.max_new_tokens}, which the engine's context "
                              "is sized for; lower it (0: the same budget) or raise generation.max_new_tokens")
-        agent = self.generation.producer == "agent"
-        if agent and (self.engine_returns_routing or self.layout.rollout_tp > 1):
-            # The ranks of one engine must submit the same requests in the same order; each runs
-            # its own tools, whose results (a timeout) may differ. Routing is not streamed yet.
-            raise ValueError(f"generation.producer=agent runs on engines of one rank without returned "
-                             f"routing: layout.rollout_tp={self.layout.rollout_tp} must be 1 and "
-                             "generation.return_routing / actor.router_replay=rollout off")
         if not self.layout.disaggregated:
             if self.async_.max_staleness:
                 raise ValueError(f"async.max_staleness={self.async_.max_staleness} needs rollout ranks of "
                                  "their own (layout.rollout_world_size > 0): colocated engines cannot "
                                  "generate while their ranks train")
             return
-        refused = {"algo.dynamic_sampling_rounds": self.algo.dynamic_sampling_rounds,
-                   "generation.producer": "" if self.generation.producer == "completion"
-                   else self.generation.producer,
-                   "offload_params": self.offload_params,
-                   "generation.return_routing / actor.router_replay=rollout": self.engine_returns_routing,
-                   # Held-out sets are scored on the rollout ranks (trainer/rollout_evaluation.py);
-                   # reward models run on the trainer ranks.
-                   "eval.sets scored by reward models (rm:)": ", ".join(
-                       name for name, spec in self.eval.sets.items()
-                       if spec.reward_table(self.algo.reward_table).models)}
-        for key, value in refused.items():
+        # key -> (its value where refused, why): what holds on a GPU cluster too (README, "What
+        # composes with what").
+        refused = {
+            "algo.dynamic_sampling_rounds": (
+                self.algo.dynamic_sampling_rounds,
+                "not built yet: groups are judged by their rewards, which the trainer ranks compute"),
+            "offload_params": (
+                self.offload_params, "the trainer ranks hold no engine, so there is nothing to hand "
+                                     "their memory to"),
+            # Held-out sets are scored on the rollout ranks (trainer/rollout_evaluation.py).
+            "eval.sets scored by reward models (rm:)": (", ".join(
+                name for name, spec in self.eval.sets.items()
+                if spec.reward_table(self.algo.reward_table).models),
+                "reward models run on the trainer ranks, held-out sets are scored on the rollout ranks")}
+        for key, (value, why) in refused.items():
             if value:
-                raise ValueError(f"{key}={value} is not built for rollout ranks of their own "
-                                 f"(layout.rollout_world_size={self.layout.rollout_world_size}); turn it "
-                                 "off or colocate the engines (rollout_world_size 0)")
+                raise ValueError(f"{key}={value} with rollout ranks of their own (layout.rollout_world_size="
+                                 f"{self.layout.rollout_world_size}): {why}; turn it off or colocate the "
+                                 "engines (rollout_world_size 0)")
 
     # Dr. GRPO's constant is the generation budget unless set: fixed for the run, whatever the
     # widths of its batches.

@@ -17,12 +17,19 @@ from megarl.trainer.config import AlgoConfig
 from megarl.trainer.metrics import PhaseTimer
 
 
-def rollout_mismatch(batch: RolloutBatch, actor: ActorConfig) -> dict:
+def rollout_mismatch(batch: RolloutBatch, actor: ActorConfig, trainer_version: int) -> dict:
     out = {**mismatch.logprob_mismatch(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask),
            **rollout_correction.summary(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
                                         actor.rollout_correction.correction)}
     if batch.rollout_routing is not None and batch.old_routing is not None:
         out.update(mismatch.routing_mismatch(batch.rollout_routing, batch.old_routing))
+        if batch.rollout_versions is not None:
+            # Streamed samples carry their last request's routing, computed by their newest version:
+            # where that is the trainer's, the two routed the same weights (lag 0).
+            lag0 = staleness.newest_versions(batch.rollout_versions, batch.loss_mask) == trainer_version
+            if bool(lag0.any()):
+                out.update({f"{name}_lag0": value for name, value in mismatch.routing_mismatch(
+                    batch.rollout_routing[lag0], batch.old_routing[lag0]).items()})
     return out
 
 
@@ -74,7 +81,7 @@ def step_metrics(collected: Collected, batch: RolloutBatch, algo: AlgoConfig, ac
         "response/length_max": int(batch.loss_mask.sum(1).max()),
         "response/truncated": collected.truncated,
         **agent_events(collected.events, batch.size),
-        **rollout_mismatch(batch, actor), **rollout_staleness(batch, trainer_version),
+        **rollout_mismatch(batch, actor, trainer_version), **rollout_staleness(batch, trainer_version),
         **kl_to_reference(batch, algo),
         **{f"actor/{k}": v for k, v in actor_metrics.items()},
         **{f"critic/{k}": v for k, v in critic_metrics.items()},
