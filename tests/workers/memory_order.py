@@ -55,9 +55,10 @@ class RecordedEngine(VLLMEngine):
         record("finish_weight_update")
         return report
 
-    def generate(self, prompts, sampling):
-        record("generate")
-        return super().generate(prompts, sampling)
+    def submit(self, request_id, prompt_ids, sampling):
+        if EVENTS[-1]["event"] != "generate":  # a draw's first request: generation begins
+            record("generate")
+        super().submit(request_id, prompt_ids, sampling)
 
 
 def main():
