@@ -76,6 +76,7 @@ TIERS = {
     "test_plan_sync": E2E,  # real syncs through scripts/verify_sync.py: vLLM
     "test_plan_sync_unit": UNIT,
     "test_presets": UNIT,
+    "test_producer_seam": UNIT,
     "test_prompts": UNIT,
     "test_resharding_plan": UNIT,
     "test_recompute_offload": (DISTRIBUTED, {name: UNIT for name in (

@@ -1,6 +1,10 @@
-"""Test-only sample producers plugged into the loop by name (generation.producer=tests.producers:NAME)."""
+"""Test-only sample producers plugged into the loop by name (generation.producer=tests.producers:NAME):
+one in the shortcut form (produce(engine, prompts, sampling): a whole draw at once) and one in the
+streaming form (megarl/rollout/producer.py's interface)."""
 
 import dataclasses
+
+from megarl.rollout.completion import Completion
 
 
 class FirstToken:
@@ -18,3 +22,15 @@ class FirstToken:
 
 def first_token():
     return FirstToken()
+
+
+class TwoTokens(Completion):
+    """Streamed completions of at most two tokens: a user's streaming producer (here the built-in
+    completion one with its budget cut), whose samples differ visibly from plain completions."""
+
+    def start(self, driver, draw, prompts, sampling):
+        super().start(driver, draw, prompts, dataclasses.replace(sampling, max_new_tokens=2))
+
+
+def two_tokens():
+    return TwoTokens()

@@ -26,19 +26,20 @@ from tests.learning import assert_learned
 SCRIPT = "scripts/train_ppo_moe.py"
 
 
-def _tail_inputs(root, model: str):
-    """The demo's task on a `model`-style model warm-started for 1 step (the runs load the HF
-    checkpoint: model.megatron_dir=null)."""
-    return start("scripts/prepare_demo.py", "--out", str(root), "--prompts", "200", "--model", model,
-                 "--sft-steps", "1", "--hf-only", "--max-operand", "4", "--heldout", "0")
+# model -> warm-start steps: the Qwen2 one's responses run 1-96 tokens; the MoE one, random, is for
+# the run whose engine returns routing: its responses run long from the first step, so generation
+# spans the weight pushes (responses continued across a push: async/mixed_version_samples).
+TAIL_MODELS = {"qwen2": 1, "qwen3_moe": 0}
 
 
 @pytest.fixture(scope="module")
 def tail_models(tmp_path_factory):
-    """{"qwen2": inputs, "qwen3_moe": inputs}, made side by side; the MoE one for the run whose
-    engine returns routing."""
-    made = {model: tmp_path_factory.mktemp(f"tail_{model}") for model in ("qwen2", "qwen3_moe")}
-    finish(*(_tail_inputs(root, model) for model, root in made.items()))
+    """{model: the demo's task on it (the runs load the HF checkpoint: model.megatron_dir=null)},
+    made side by side."""
+    made = {model: tmp_path_factory.mktemp(f"tail_{model}") for model in TAIL_MODELS}
+    finish(*(start("scripts/prepare_demo.py", "--out", str(root), "--prompts", "200", "--model", model,
+                   "--sft-steps", str(TAIL_MODELS[model]), "--hf-only", "--max-operand", "4",
+                   "--heldout", "0") for model, root in made.items()))
     return made
 
 
@@ -204,6 +205,25 @@ def test_streamed_routing_is_the_trainers_own_at_lag_zero(staleness_runs):
              s["async/mixed_version_samples"]) for s in steps]
     assert len(lag0) >= 3 and all(s["routing/topk_diff_fraction_lag0"] == 0 for s in lag0), seen
     assert any(s["async/mixed_version_samples"] > 0 for s in lag0), seen
+
+
+def test_users_producers_serve_rollout_ranks_of_their_own(tail_inputs, tmp_path):
+    """generation.producer names a user's producer, in both forms (tests/producers.py), on the
+    rollout rank (staleness 1), two runs side by side: the shortcut (a whole draw of
+    engine.generate cut to one token) and a streaming one (completions of at most two tokens);
+    each step trains on exactly their samples, and tokens of the trainer's own version get their
+    log-probs back from the trainer."""
+    runs = {name: tmp_path / name for name in ("first_token", "two_tokens")}
+    finish(*(start(SCRIPT, *_args(tail_inputs, run_dir, "steps=3", "layout.rollout_world_size=1",
+                                  f"generation.producer=tests.producers:{name}", *FAST_TRAINER),
+                   nproc=2, timeout=900, env={"PYTHONPATH": ROOT}) for name, run_dir in runs.items()))
+    for name, most in (("first_token", 1), ("two_tokens", 2)):
+        steps = _steps(runs[name])
+        assert [s["step"] for s in steps] == [1, 2, 3]
+        assert all(s["response/length_max"] <= most for s in steps), (name, steps)
+        assert steps[0]["response/length_max"] == most  # the budget, cut by the producer
+        assert steps[0]["async/mismatch_lag0_max"] < 1e-4
+        assert max(s["async/sample_lag_max"] for s in steps) <= 1
 
 
 def test_restarted_partial_rollouts_stay_within_staleness_two(staleness_runs):
