@@ -1,8 +1,9 @@
 """The rollout side's sections of a run's config: the prompt data (`data`), generation
-(`generation`) and asynchronous rollouts (`async`), beside the rollout code that reads them. Typed
-and validated when built (megarl.trainer.typed_config), before any process starts.
+(`generation`) and asynchronous rollouts (`async`), beside the rollout code that reads them; and
+EngineSpec, the engine settings a run derives from its other sections. Typed and validated when
+built (megarl.trainer.typed_config), before any process starts.
 Does not own the run's config as a whole (megarl/trainer/config.py composes these sections with
-the others) or what reads them (prompts.py, producer.py, turns.py, the trainer's rollout sources).
+the others) or what reads them (prompts.py, builder.py, turns.py, the trainer's rollout sources).
 """
 
 from dataclasses import dataclass, field
@@ -84,3 +85,15 @@ class AsyncConfig:
         if self.partial_rollout not in INTERRUPTS:
             raise ValueError(f"async.partial_rollout={self.partial_rollout!r}; choose one of {INTERRUPTS}")
 
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a run's engines are made of besides the data and generation sections, gathered from
+    the others (RunConfig.engine_spec): not a YAML section, derived, never written back."""
+    hf_dir: str  # the policy's checkpoint: architecture and tokenizer (weights come from the sync)
+    dtype: str  # the checkpoint's (ModelArch.dtype)
+    seed: int
+    rollout_tp: int = 1
+    rollout_ep: int = 1
+    return_routing: bool = False  # each sample carries its tokens' experts (MoE)
+    router_fp32: bool = True  # MoE gates in fp32, as the trainer's

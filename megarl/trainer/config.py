@@ -16,7 +16,7 @@ from megarl.evaluation.config import EvalConfig
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import RewardTable
-from megarl.rollout.config import AsyncConfig, DataConfig, GenerationConfig
+from megarl.rollout.config import AsyncConfig, DataConfig, EngineSpec, GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -236,6 +236,13 @@ class RunConfig:
     @property
     def engine_returns_routing(self) -> bool:
         return self.generation.return_routing or self.actor.router_replay == "rollout"
+
+    def engine_spec(self, dtype: str) -> EngineSpec:
+        """The engines' settings from the model, layout and actor sections; `dtype` the
+        checkpoint's (ModelArch.dtype)."""
+        return EngineSpec(self.model.hf_dir, dtype, self.seed, rollout_tp=self.layout.rollout_tp,
+                          rollout_ep=self.layout.rollout_ep, return_routing=self.engine_returns_routing,
+                          router_fp32=self.model.router_fp32)
 
     @property
     def eval_config(self) -> EvalConfig:
