@@ -1,5 +1,7 @@
 """The configuration of a training run: every section a frozen dataclass, loaded with
 megarl.trainer.typed_config from YAML plus dotted overrides and validated before any process starts.
+Sections that code below the trainer reads live beside it and are composed here: data, generation
+and async (megarl/rollout/config.py), actor, critic, eval (their packages' config.py).
 Does not own what runs (megarl/trainer/loop.py)."""
 
 from dataclasses import dataclass, field, replace
@@ -14,9 +16,7 @@ from megarl.evaluation.config import EvalConfig
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import RewardTable
-from megarl.rollout.agent_loop import AgentConfig
-from megarl.rollout.prompts import OVERLONG, RecordKeys
-from megarl.rollout.turns import INTERRUPTS
+from megarl.rollout.config import AsyncConfig, DataConfig, EngineSpec, GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -97,57 +97,6 @@ class LayoutConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    path: str = ""  # .jsonl or .parquet
-    # Key paths in each record, dotted for nested fields (rollout/prompts.py): the prompt (text or
-    # chat messages), the ground truth ("auto": `answer`, else verl's `reward_model.ground_truth`),
-    # and what reward functions with verl's signature also get.
-    prompt_key: str = "prompt"
-    answer_key: str = "auto"
-    data_source_key: str = "data_source"
-    extra_info_key: str = "extra_info"
-    max_prompt_len: int = 256
-    overlong_prompts: str = "skip"  # prompts over max_prompt_len tokens: "skip" (and count) or "error"
-    prompts_per_step: int = 8
-    seed: int = 0
-
-    @property
-    def keys(self) -> RecordKeys:
-        return RecordKeys(self.prompt_key, self.answer_key, self.data_source_key, self.extra_info_key)
-
-    def __post_init__(self):
-        if not self.path:
-            raise ValueError("data.path is required (a .jsonl or .parquet file of prompts)")
-        if self.prompts_per_step < 1 or self.max_prompt_len < 1:
-            raise ValueError(f"data.prompts_per_step={self.prompts_per_step} and data.max_prompt_len="
-                             f"{self.max_prompt_len} must be >= 1")
-        if self.overlong_prompts not in OVERLONG:
-            raise ValueError(f"data.overlong_prompts={self.overlong_prompts!r}; choose one of {OVERLONG}")
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    samples_per_prompt: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    # How samples are produced: completion, agent (multi-turn with tools and interactions,
-    # configured by `agent`: megarl/rollout/agent_loop.py) or module:function
-    producer: str = "completion"
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    kv_cache_gib: int = 1  # CPU: vLLM's KV cache size
-    gpu_memory_utilization: float = 0.5  # GPU: vLLM's share of each device (weights + KV cache)
-    # MoE: the engine returns each token's experts, for the routing-mismatch metric (always on
-    # with actor.router_replay=rollout, which replays them)
-    return_routing: bool = False
-
-    def __post_init__(self):
-        if not 0 < self.gpu_memory_utilization < 1:
-            raise ValueError(f"generation.gpu_memory_utilization={self.gpu_memory_utilization} must lie "
-                             "in (0, 1): the training state shares the device")
-
-
-@dataclass(frozen=True)
 class AlgoConfig:
     advantage: str = "grpo"  # gae uses a critic; the others do not build one
     gamma: float = 1.0
@@ -209,28 +158,6 @@ class AlgoConfig:
         if self.whiten_advantages is None:
             return WHITENED_BY_DEFAULT[self.advantage]
         return self.whiten_advantages
-
-
-@dataclass(frozen=True)
-class AsyncConfig:
-    """Off-policy steps (rollout ranks of their own: layout.rollout_world_size). YAML key `async`."""
-    # Rollouts for the next steps are generated while a step trains, with weights at most this many
-    # versions (steps) older than the trainer's; 0 is the synchronous loop.
-    max_staleness: int = 0
-    # Requests in flight at a weight update: "continue" with the new weights from the tokens so far
-    # (partial rollout), or "restart" them from their prompt.
-    partial_rollout: str = "continue"
-    # A rollout engine process that dies is replaced (and gets the current weights) this many
-    # times in a run before the run ends.
-    max_engine_restarts: int = 3
-
-    def __post_init__(self):
-        if self.max_staleness < 0:
-            raise ValueError(f"async.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
-        if self.max_engine_restarts < 0:
-            raise ValueError(f"async.max_engine_restarts={self.max_engine_restarts} must be >= 0")
-        if self.partial_rollout not in INTERRUPTS:
-            raise ValueError(f"async.partial_rollout={self.partial_rollout!r}; choose one of {INTERRUPTS}")
 
 
 @dataclass(frozen=True)
@@ -309,6 +236,13 @@ class RunConfig:
     @property
     def engine_returns_routing(self) -> bool:
         return self.generation.return_routing or self.actor.router_replay == "rollout"
+
+    def engine_spec(self, dtype: str) -> EngineSpec:
+        """The engines' settings from the model, layout and actor sections; `dtype` the
+        checkpoint's (ModelArch.dtype)."""
+        return EngineSpec(self.model.hf_dir, dtype, self.seed, rollout_tp=self.layout.rollout_tp,
+                          rollout_ep=self.layout.rollout_ep, return_routing=self.engine_returns_routing,
+                          router_fp32=self.model.router_fp32)
 
     @property
     def eval_config(self) -> EvalConfig:

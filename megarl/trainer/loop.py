@@ -7,11 +7,13 @@ rollouts instead (engine_supervisor.py, rollout_server.py) and the rest train. E
 named call, timed under its name. It orchestrates and computes nothing itself: where rollouts
 come from is a RolloutSource (colocated: rollout_source.py; disaggregated:
 disaggregated_rollouts.py), how samples are produced a SampleProducer
-(megarl/rollout/producer.py), both chosen once in `setup`. A colocated engine is made, asleep,
-before any model (on a GPU vLLM starts only on a free device), and the weights a step pushes are
-synced inside the next step's memory handoff; their seconds are still booked as "sync". Held-out
-sets (eval.*) are evaluated by the source, with the weights a step pushed, before a fresh run's
-first step (logged as step 0), every eval.every steps and after the last (in that step's row).
+(megarl/rollout/producer.py), both chosen once in `setup`. The rollout side (tokenizer, prompts,
+engine, producer) comes from the builder rollout ranks use too (megarl/rollout/builder.py); a
+colocated one is made, its engine asleep, before any model (on a GPU vLLM starts only on a free
+device), and the weights a step pushes are synced inside the next step's memory handoff; their
+seconds are still booked as "sync". Held-out sets (eval.*) are evaluated by the source, with the
+weights a step pushed, before a fresh run's first step (logged as step 0), every eval.every steps
+and after the last (in that step's row).
 """
 
 import json
@@ -33,9 +35,8 @@ from megarl.models.hf_io import load_hf_weights
 from megarl.parallel_state import device_memory, megatron_groups, roles
 from megarl.resharding.hf_export import export_hf
 from megarl.rewards.scorer import Scorer
-from megarl.rollout.producer import load_producer
-from megarl.rollout.prompts import PromptSampler, load_prompts
-from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.rollout.builder import RolloutSide, build_rollout_side, load_training_prompts
+from megarl.rollout.prompts import PromptSampler
 from megarl.trainer import checkpoint, console, flops
 from megarl.trainer.config import AlgoConfig, RunConfig
 from megarl.trainer.disaggregated_rollouts import DisaggregatedRollouts
@@ -58,18 +59,13 @@ def with_advantages(batch, algo: AlgoConfig, max_new_tokens: int):
     return batch.with_fields(advantages=advantages, returns=returns)
 
 
-def _colocated_engine(config: RunConfig, arch: ModelArch) -> VLLMEngine:
-    """This rank's engine, asleep. Made before any training state: on a GPU vLLM starts only
-    with gpu_memory_utilization x the device free, and its weights come from each step's sync."""
-    layout, data, gen = config.layout, config.data, config.generation
-    engine = VLLMEngine(config.model.hf_dir, rollout_tp=layout.rollout_tp, rollout_ep=layout.rollout_ep,
-                        seed=config.seed, dtype=arch.dtype, kv_cache_gib=gen.kv_cache_gib,
-                        gpu_memory_utilization=gen.gpu_memory_utilization,
-                        max_model_len=data.max_prompt_len + gen.max_new_tokens,
-                        return_routing=config.engine_returns_routing,
-                        router_fp32=config.model.router_fp32)
-    engine.release_memory()
-    return engine
+def _colocated_side(config: RunConfig, arch: ModelArch) -> RolloutSide:
+    """This rank's rollout side, its engine asleep. Made before any training state: on a GPU vLLM
+    starts only with gpu_memory_utilization x the device free, and its weights come from each
+    step's sync."""
+    side = build_rollout_side(config.engine_spec(arch.dtype), config.data, config.generation)
+    side.engine.release_memory()
+    return side
 
 
 def _load(chunks, arch, config: RunConfig, role: str) -> None:
@@ -122,7 +118,7 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
     if config.model.megatron_dir:
         model_checkpoint.require_model(config.model.megatron_dir, hf_config, config.model.hf_dir)
     # Before Megatron seeds the RNGs (vLLM seeds them too), so the models are built as without it.
-    engine = _colocated_engine(config, arch) if role is None else None
+    side = _colocated_side(config, arch) if role is None else None
     megatron_groups.initialize(dims, seed=config.seed, timeout_s=config.collective_timeout_s)
     rank0 = megatron_groups.is_rank0()
     if rank0:
@@ -143,10 +139,12 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
         _load(critic_chunks, arch, config, "value")
         critic = Critic(critic_chunks, config.critic_config)
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
-    data, gen = config.data, config.generation
-    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.keys,
-                           data.overlong_prompts)
+    data = config.data
+    if role is None:
+        tokenizer, prompts = side.tokenizer, side.prompts
+    else:  # beside rollout ranks of their own: no engine, the prompts their draws index
+        tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
+        prompts = load_training_prompts(data, tokenizer)
     sampler = PromptSampler(len(prompts.prompts), data.prompts_per_step, data.seed)
     algo = config.algo
     reward_models = {path: RewardModel(path, dims, config.actor.batching, tokenizer,
@@ -160,11 +158,11 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
     if role is not None:
         source = DisaggregatedRollouts(config, role, tokenizer, prompts.prompts, sampler, scorer)
     else:
-        producer = load_producer(gen.producer, tokenizer, gen.agent)
         held_out = HeldOut.load(config.eval_config, tokenizer, data.max_prompt_len, data.overlong_prompts,
                                 scorer, scorer_of)
-        source = ColocatedRollouts(config, engine, producer, tokenizer, prompts.prompts, sampler, scorer,
-                                   actor.state, [critic.state] if critic is not None else [], held_out)
+        source = ColocatedRollouts(config, side.engine, side.producer, tokenizer, prompts.prompts, sampler,
+                                   scorer, actor.state, [critic.state] if critic is not None else [],
+                                   held_out)
     run = Run(config, arch, hf_config, actor, critic, source, sampler, flops.device_name())
     done = checkpoint.load(run, resume_from) if resume_from else 0
     source.push_weights(actor_chunks, arch, version=done)

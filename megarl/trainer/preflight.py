@@ -24,7 +24,7 @@ from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.destination import RolloutLayout, check_rollout
 from megarl.rollout.agent_loop import uses_tools
-from megarl.rollout.prompts import load_prompts
+from megarl.rollout.builder import load_training_prompts
 from megarl.rollout.vllm_engine import check_engine_ep
 from megarl.trainer import memory_plan
 from megarl.trainer.config import RunConfig
@@ -61,7 +61,7 @@ def _check_data(config: RunConfig) -> None:
         raise FileNotFoundError(f"data.path={data.path!r} does not exist (a .jsonl or .parquet file "
                                 "of prompts)")
     tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
-    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.keys, data.overlong_prompts)
+    prompts = load_training_prompts(data, tokenizer)
     if config.generation.producer == "agent":
         for index, prompt in enumerate(prompts.prompts):
             try:

@@ -18,12 +18,14 @@ Rollouts in flight when the run stops, or when this engine dies, are dropped: th
 generation, or a resumed run, draws again from the trainer's position (the same prompts and
 seeds).
 
-Samples are made by the run's SampleProducer (megarl/rollout/producer.py: completions, the agent
-loop, a user's), the one colocated engines use, streamed: several draws in flight, weight updates
-between engine steps; with returned routing each sample carries its last request's.
+The tokenizer, prompts, engine and SampleProducer (megarl/rollout/producer.py: completions, the
+agent loop, a user's) come from the builder colocated runs use (megarl/rollout/builder.py), with
+the same settings; the producer runs streamed: several draws in flight, weight updates between
+engine steps; with returned routing each sample carries its last request's.
 
-Owns the rollout ranks' side of asynchronous training. Does not own generation (the producer,
-turns.py, the engine), the trainer's side (disaggregated_rollouts.py) or the channel (rollout_channel.py).
+Owns the rollout ranks' side of asynchronous training. Does not own building the rollout side
+(builder.py), generation (the producer, turns.py, the engine), the trainer's side
+(disaggregated_rollouts.py) or the channel (rollout_channel.py).
 """
 
 import time
@@ -34,10 +36,10 @@ import torch.distributed as dist
 from megarl.models.hf_config import arch_from_hf_config, load_hf_config
 from megarl.parallel_state.roles import Role
 from megarl.resharding.sync import sync_weights
-from megarl.rollout.producer import SampleProducer, load_producer
-from megarl.rollout.prompts import PromptSampler, load_prompts
+from megarl.rollout.builder import build_rollout_side
+from megarl.rollout.producer import SampleProducer
+from megarl.rollout.prompts import PromptSampler
 from megarl.rollout.turns import TurnDriver
-from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_channel import RolloutChannel, StepRollouts
 from megarl.trainer.rollout_evaluation import RolloutEvaluations
@@ -65,24 +67,15 @@ class _Clock:
 
 def serve(config: RunConfig, role: Role) -> None:
     """Generate until the trainer stops the run. Collective over this generation's rollout ranks."""
-    import transformers
-
-    data, gen = config.data, config.generation
+    data = config.data
     arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
-    prompts = load_prompts(data.path, tokenizer, data.max_prompt_len, data.keys,
-                           data.overlong_prompts).prompts
-    engine = VLLMEngine(config.model.hf_dir, rollout_tp=config.layout.rollout_tp,
-                        rollout_ep=config.layout.rollout_ep, seed=config.seed, dtype=arch.dtype,
-                        kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
-                        max_model_len=data.max_prompt_len + gen.max_new_tokens,
-                        return_routing=config.engine_returns_routing,
-                        router_fp32=config.model.router_fp32, sync_first_rank=role.first_rollout_rank)
+    side = build_rollout_side(config.engine_spec(arch.dtype), data, config.generation,
+                              sync_first_rank=role.first_rollout_rank)
+    tokenizer, prompts, engine, producer = side.tokenizer, side.prompts.prompts, side.engine, side.producer
     channel = RolloutChannel(role.store)
     start = channel.wait_start(role.generation)
     sampler = PromptSampler(len(prompts), data.prompts_per_step, data.seed)
     sampler.load_state_dict(start.sampler_state)
-    producer = load_producer(gen.producer, tokenizer, gen.agent)
     driver = TurnDriver(engine, config.async_.partial_rollout, version=0)
     evaluations = (RolloutEvaluations(config, tokenizer, channel, producer, driver, leader=role.rank == 0)
                    if config.eval.sets else None)

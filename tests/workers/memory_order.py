@@ -15,6 +15,7 @@ import time
 
 from offload_handoff import freed, tensors  # noqa: I001 (next to this script)
 
+from megarl.rollout import builder
 from megarl.rollout.engine import SamplingConfig
 from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.trainer import loop
@@ -75,7 +76,8 @@ def main():
         record("build_model", role=kwargs.get("role", "policy"))
         return build_model(arch, dims, **kwargs)
 
-    loop.build_model, loop.VLLMEngine = recorded_build, RecordedEngine
+    # The engine is made by the rollout side's builder, which setup calls.
+    loop.build_model, builder.VLLMEngine = recorded_build, RecordedEngine
     run, done = loop.setup(config, resume=None)
     STATES[:] = [run.actor.state] + ([run.critic.state] if run.critic is not None else [])
     record("setup_done")
