@@ -8,13 +8,16 @@ repeated with fixed seeds:
   bare      engine.llm.generate(TokensPrompt..., SamplingParams(..., logprobs=0)), as a vLLM user
             calls it, on the very same LLM object;
   generate  VLLMEngine.generate: the same call plus the log-prob extraction into RolloutSamples;
-  collect   megarl.rollout.collect.collect: generate, all-gather (a world of one), decode with the
-            tokenizer, score with the math verifier, lay out a RolloutBatch.
+  collect   megarl.rollout.collect.collect: the completion producer streaming the draw through the
+            TurnDriver (every sample its own request, the engine stepped one scheduler step at a
+            time, as every run generates), all-gather (a world of one), decode with the tokenizer,
+            score with the math verifier, lay out a RolloutBatch.
 Every repeat must produce the same token ids on all three paths, and megarl's log-probs must be
 vLLM's (asserted). Prints one JSON object per case (generate vs bare, collect vs bare) on stdout;
 logs go to stderr. overhead_ratio compares median times of separate calls, which other processes
 on a shared machine can move by several percent either way; own_share is megarl's time outside
-vLLM's LLM.generate within the same calls, which they cannot. --profile prints cProfile's view
+vLLM's entry points (LLM.generate, and its engine's add_request and step) within the same calls,
+which they cannot. --profile prints cProfile's view
 of one megarl generate to stderr. Does not time engine start-up or weight sync (bench_sync.py).
 """
 
@@ -68,22 +71,29 @@ def timed(fn):
 
 
 def time_inside_vllm(llm) -> list:
-    """Wrap this LLM object's generate so that each call appends its wall seconds to the list
-    returned. A megarl call's own work is its total minus what lands there: both are measured in
-    the same call, so other processes slowing the machine between calls cannot fake or hide it."""
-    inner = []
-    generate = llm.generate
+    """Wrap this LLM object's entry points (generate, and the engine's add_request and step, which
+    streamed requests call) so that each outermost call appends its wall seconds to the list
+    returned (generate calls the other two: counted once). A megarl call's own work is its total
+    minus what lands there: both are measured in the same call, so other processes slowing the
+    machine between calls cannot fake or hide it."""
+    inner, depth = [], [0]
 
-    def timed_generate(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return generate(*args, **kwargs)
-        finally:
-            inner.append(time.perf_counter() - start)
+    def timed(call):
+        def timed_call(*args, **kwargs):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    inner.append(time.perf_counter() - start)
+        return timed_call
 
-    llm.generate = timed_generate
+    llm.generate = timed(llm.generate)
+    engine = llm.llm_engine
+    engine.add_request, engine.step = timed(engine.add_request), timed(engine.step)
     return inner
-
 
 
 def case_json(path: str, wall: dict, cpu: dict, own: list, tokens: int, extra: dict) -> dict:
@@ -136,8 +146,9 @@ def main():
     from megarl.rewards.functions import RewardTable
     from megarl.rewards.scorer import Scorer
     from megarl.rollout.collect import collect
+    from megarl.rollout.completion import Completion
     from megarl.rollout.engine import SamplingConfig
-    from megarl.rollout.producer import Completion
+    from megarl.rollout.turns import TurnDriver
     from megarl.rollout.vllm_engine import VLLMEngine
 
     shutil.rmtree(args.inputs, ignore_errors=True)
@@ -164,7 +175,7 @@ def main():
     paths = {
         "bare": bare,
         "generate": lambda: engine.generate(token_ids, sampling),
-        "collect": lambda: collect(engine, Completion(), prompts, sampling, tokenizer, scorer),
+        "collect": lambda: collect(TurnDriver(engine), Completion(), prompts, sampling, tokenizer, scorer),
     }
 
     def responses(path: str, result):

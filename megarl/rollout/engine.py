@@ -142,7 +142,8 @@ class RolloutEngine(WeightDestination, Protocol):
 
 @dataclass(frozen=True)
 class Progress:
-    """A streamed request's response so far (since it was submitted)."""
+    """What a streamed request generated in one engine step: the tokens it added (since its
+    previous Progress) and their log-probs."""
     request_id: str
     token_ids: List[int]
     logprobs: List[float]

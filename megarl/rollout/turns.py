@@ -39,7 +39,6 @@ class Turn:
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     versions: List[int] = field(default_factory=list)  # each token's policy version (-1: not told)
-    kept: int = 0  # tokens from before the current submission
     finish_reason: str = ""
     done: bool = False
     # [len(context) + len(tokens) - 1, layers, k] int16: every id the finishing request fed
@@ -61,11 +60,10 @@ class TurnDriver:
         self.discarded_tokens = 0  # tokens dropped by "restart"
 
     def submit(self, turn: Turn) -> None:
-        turn.kept = len(turn.tokens)
-        sampling = turn.sampling
-        if turn.kept:
-            seed = None if sampling.seed is None else sampling.seed + _RESEED * turn.kept
-            sampling = replace(sampling, max_new_tokens=sampling.max_new_tokens - turn.kept, seed=seed)
+        kept, sampling = len(turn.tokens), turn.sampling  # tokens from before this submission
+        if kept:
+            seed = None if sampling.seed is None else sampling.seed + _RESEED * kept
+            sampling = replace(sampling, max_new_tokens=sampling.max_new_tokens - kept, seed=seed)
         request_id = f"r{self._submitted}"
         self._submitted += 1
         self._live[request_id] = turn
@@ -90,11 +88,9 @@ class TurnDriver:
         return finished
 
     def _advance(self, turn: Turn, progress: Progress) -> None:
-        new = len(progress.token_ids)
-        turn.tokens = turn.tokens[:turn.kept] + progress.token_ids
-        turn.logprobs = turn.logprobs[:turn.kept] + progress.logprobs
-        stamp = -1 if self.version is None else self.version
-        turn.versions = turn.versions[:turn.kept] + [stamp] * new
+        turn.tokens += progress.token_ids
+        turn.logprobs += progress.logprobs
+        turn.versions += [-1 if self.version is None else self.version] * len(progress.token_ids)
         turn.done, turn.finish_reason = progress.finished, progress.finish_reason
         turn.routed_experts = progress.routed_experts
 

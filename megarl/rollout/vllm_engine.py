@@ -127,7 +127,8 @@ class VLLMEngine:
         model, config = self.llm.collective_rpc(_model_and_config)[0]
         self._writer = InPlaceWriter(model, config)
         self._routing = captures[0] if return_routing else None
-        self._streamed: Dict[str, str] = {}  # a streamed request's id -> vLLM's, until it ends
+        # a streamed request's id -> (vLLM's id of it, the ids it fed so far), until it ends
+        self._streamed: Dict[str, Tuple[str, List[int]]] = {}
 
     def generate(self, prompts: Sequence[List[int]], sampling: SamplingConfig) -> List[RolloutSample]:
         self._require_generable()
@@ -163,28 +164,33 @@ class VLLMEngine:
 
         if self._routing is not None and not self._routing.recording:
             self._routing.start()
-        # vLLM's scheduler knows the request by an id of its own (the given one and a suffix)
-        self._streamed[request_id] = self.llm.llm_engine.add_request(
-            request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), _params(sampling))
+        # vLLM's scheduler knows the request by an id of its own (the given one and a suffix);
+        # what it fed is kept for the routing's check when it finishes
+        internal = self.llm.llm_engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), _params(sampling, streamed=True))
+        self._streamed[request_id] = (internal, list(prompt_ids))
 
     def step(self) -> List[Progress]:
         progressed = []
         for output in self.llm.llm_engine.step():
             (completion,) = output.outputs
+            new = list(completion.token_ids)
             routed = None
             if output.finished:
-                internal = self._streamed.pop(output.request_id)
+                internal, fed = self._streamed.pop(output.request_id)
+                fed += new
                 if self._routing is not None:
-                    routed = self._routing.pop(internal, list(output.prompt_token_ids) +
-                                               list(completion.token_ids)[:-1])
+                    routed = self._routing.pop(internal, fed[:-1])
+            elif self._routing is not None:
+                self._streamed[output.request_id][1].extend(new)
             progressed.append(Progress(
-                output.request_id, list(completion.token_ids),
-                [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)],
+                output.request_id, new,
+                [step[token].logprob for step, token in zip(completion.logprobs, new)],
                 output.finished, completion.finish_reason or "", routed))
         return progressed
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        internal = [self._streamed.pop(request) for request in request_ids]
+        internal = [self._streamed.pop(request)[0] for request in request_ids]
         self.llm.llm_engine.abort_request(list(request_ids))
         if self._routing is not None:
             self._routing.discard(internal)
@@ -280,13 +286,17 @@ class VLLMEngine:
         self.llm = None
 
 
-def _params(sampling: SamplingConfig):
+def _params(sampling: SamplingConfig, streamed: bool = False):
+    """vLLM's parameters for `sampling`; `streamed`: each step reports only the tokens it added
+    (a step reporting the whole response so far would cost its length every step: quadratic)."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
         n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
         top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
         stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed, logprobs=0,
+        output_kind=RequestOutputKind.DELTA if streamed else RequestOutputKind.CUMULATIVE,
     )
 
 

@@ -1,8 +1,8 @@
 """Worker: the agent loop on a real vLLM engine with the scripted tool-calling model
-(tests/scripted_agent.py). The engine is tapped: every request submitted and every finished
-request's generated ids are recorded as vLLM reported them. Prints one JSON object: the samples
-(token ids, loss mask, log-probs, trajectory, events), the tapped requests, the tool schemas and
-the seconds the produce call took."""
+(tests/scripted_agent.py). The engine is tapped: every request submitted and every request's
+generated ids are recorded as vLLM reported them, step by step. Prints one JSON object: the
+samples (token ids, loss mask, log-probs, trajectory, events), the tapped requests, the tool
+schemas and the seconds the produce call took."""
 
 import argparse
 import json
@@ -31,9 +31,8 @@ class Tapped:
 
     def step(self):
         progressed = self.engine.step()
-        for progress in progressed:
-            if progress.finished:
-                self.generated[progress.request_id] = list(progress.token_ids)
+        for progress in progressed:  # each step's new ids
+            self.generated.setdefault(progress.request_id, []).extend(progress.token_ids)
         return progressed
 
 
