@@ -64,9 +64,9 @@ BASE = {"model": {"hf_dir": "m"}, "data": {"path": "d.jsonl"}}
     ({"async": {"partial_rollout": "resume"}, "layout": {"rollout_world_size": 1}},
      r"async.partial_rollout='resume'; choose one of \('continue', 'restart'\)"),
     ({"layout": {"rollout_world_size": 2}}, r"layout.rollout_world_size=2: .* layout.rollout_tp=1"),
-    ({"layout": {"rollout_world_size": 1}, "algo": {"dynamic_sampling_rounds": 2}},
-     r"algo.dynamic_sampling_rounds=2 with rollout ranks of their own \(layout.rollout_world_size=1\): "
-     r"not built yet"),
+    ({"layout": {"rollout_world_size": 1}, "algo": {"dynamic_sampling_rounds": 2, "reward": "math + rm:/rm"}},
+     r"algo.dynamic_sampling_rounds with reward models \(rm:\) in algo.reward=2 with rollout ranks of "
+     r"their own \(layout.rollout_world_size=1\): the rollout ranks judge"),
     ({"layout": {"rollout_world_size": 1}, "offload_params": True},
      r"offload_params=True with rollout ranks .*: the trainer ranks hold no engine"),
 ])
@@ -77,6 +77,7 @@ def test_asynchronous_configs_that_cannot_work_are_refused(extra, message):
 
 @pytest.mark.parametrize("extra", [
     {"actor": {"router_replay": "rollout"}},  # routing streams with each sample
+    {"algo": {"dynamic_sampling_rounds": 2}},  # rounds judged on the rollout side
     {"generation": {"producer": "agent", "return_routing": True}},
     {"generation": {"producer": "my_rollouts:make_producer"}},  # a user's, loaded at setup
     {"generation": {"producer": "agent"}, "layout": {"rollout_world_size": 2, "rollout_tp": 2}},

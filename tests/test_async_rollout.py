@@ -58,6 +58,7 @@ def _args(inputs, run_dir, *extra):
 
 
 COLOCATED = ("layout.rollout_world_size=0", "async.max_staleness=0")  # the synchronous loop
+DYNAMIC = ("algo.dynamic_sampling_rounds=2",)  # DAPO: up to 2 more rounds of prompts a step
 
 HELD_OUT, SLOW_SCORE_S = 24, 0.25  # a held-out evaluation's prompts, and its reward's seconds each
 
@@ -89,19 +90,21 @@ def _held_out(inputs, tokens: int, *extra):
 
 
 def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tmp_path):
-    """Also the held-out evaluations: the rollout rank's, between weight pushes, give the numbers
-    the colocated ones give (the same weights and seeds), at the start (step 0's row, which comes
-    once the rollout rank has scored it) and after the last step."""
+    """Also with DAPO dynamic sampling (up to 2 extra rounds a step: the rollout rank judges each
+    round's groups and draws the next, step_draws.py; the trainer keeps the informative groups as
+    the colocated loop does), and the held-out evaluations: the rollout rank's, between weight
+    pushes, give the numbers the colocated ones give (the same weights and seeds), at the start
+    (step 0's row, which comes once the rollout rank has scored it) and after the last step."""
     colocated, disaggregated = tmp_path / "colocated", tmp_path / "disaggregated"
     one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "29541", "OMP_NUM_THREADS": "1"}  # as torchrun sets it
     # The two runs at once: most of a 2-step run is start-up, and either one alone leaves a core idle.
     command = [sys.executable, os.path.join(ROOT, SCRIPT),
-               *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *_held_out(tail_inputs, 8))]
+               *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *DYNAMIC, *_held_out(tail_inputs, 8))]
     reference = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **one_rank}, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
     run(SCRIPT, *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=1",
-                       "async.max_staleness=0", *_held_out(tail_inputs, 8)), nproc=2, timeout=900)
+                       "async.max_staleness=0", *DYNAMIC, *_held_out(tail_inputs, 8)), nproc=2, timeout=900)
     output, _ = reference.communicate(timeout=900)
     assert reference.returncode == 0, output[-4000:]
     sync, async_ = (sorted(_steps(d), key=lambda row: row["step"]) for d in (colocated, disaggregated))
@@ -112,6 +115,8 @@ def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tm
         assert 0 <= row["eval/heldout/all/accuracy"] <= 1 and row["async/eval_restarts"] == 0
         assert 1 <= row["eval/heldout/all/response_len_mean"] <= 8
     sync, async_ = sync[1:], async_[1:]  # the steps'
+    # the rounds ran (the 1-step model's rewards leave most groups uninformative), on both sides alike
+    assert max(a["dynamic_sampling/rounds"] for a in async_) >= 2
     for a in async_:
         assert a["async/version_lag_max"] == 0 and a["async/sample_lag_max"] == 0
         assert a["async/trainer_version"] == a["step"] - 1

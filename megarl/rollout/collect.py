@@ -150,9 +150,9 @@ def _concat(parts: List[Collected]) -> Collected:
     rows = [_widen(p.batch.tokens, width, 0) for p in parts]
     padded = {name: torch.cat([_widen(getattr(p.batch, name), width, 0) for p in parts])
               for name in ("loss_mask", "rollout_logprobs")}
-    if parts[0].batch.rollout_routing is not None:
-        padded["rollout_routing"] = torch.cat([_widen(p.batch.rollout_routing, width, -1)
-                                               for p in parts])
+    for name in ("rollout_routing", "rollout_versions"):  # -1: none (routing), not a response token
+        if getattr(parts[0].batch, name) is not None:
+            padded[name] = torch.cat([_widen(getattr(p.batch, name), width, -1) for p in parts])
     offset = 0
     group_ids = []
     for p in parts:
@@ -185,7 +185,8 @@ def keep_informative(parts: List[Collected], groups: int) -> Collected:
     kept = batch.select(rows)
     width = int(kept.lengths.max())
     kept = kept.with_fields(**{name: getattr(kept, name)[:, :width]
-                               for name in ("tokens", "loss_mask", "rollout_logprobs", "rollout_routing")
+                               for name in ("tokens", "loss_mask", "rollout_logprobs", "rollout_routing",
+                                            "rollout_versions")
                                if getattr(kept, name) is not None})
     return Collected(kept, [merged.responses[i] for i in rows.tolist()], merged.reward_failures,
                      merged.reward_timeouts, merged.first_reward_error, merged.truncated,

@@ -210,9 +210,11 @@ class RunConfig:
         # key -> (its value where refused, why): what holds on a GPU cluster too (README, "What
         # composes with what").
         refused = {
-            "algo.dynamic_sampling_rounds": (
-                self.algo.dynamic_sampling_rounds,
-                "not built yet: groups are judged by their rewards, which the trainer ranks compute"),
+            # The rollout ranks judge a round's groups by their rewards (trainer/step_draws.py).
+            "algo.dynamic_sampling_rounds with reward models (rm:) in algo.reward": (
+                self.algo.dynamic_sampling_rounds if self.algo.reward_table.models else 0,
+                "the rollout ranks judge each round's groups by their rewards, and reward models run "
+                "on the trainer ranks"),
             "offload_params": (
                 self.offload_params, "the trainer ranks hold no engine, so there is nothing to hand "
                                      "their memory to"),

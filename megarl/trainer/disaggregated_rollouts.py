@@ -19,6 +19,7 @@ rollout_correction, fed each token's own behaviour log-prob).
 """
 
 import time
+from dataclasses import replace
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -34,7 +35,7 @@ from megarl.rollout.engine import WeightLayout, WeightUpdateReport
 from megarl.rollout.prompts import Prompt, PromptSampler
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_channel import RolloutChannel, Start
-from megarl.trainer.rollout_source import Rollouts
+from megarl.trainer.rollout_source import Rollouts, step_rollouts
 
 
 class RemoteEngine:
@@ -154,21 +155,25 @@ class DisaggregatedRollouts:
         sent = self.channel.take_rollouts(number)
         if self.role.rank == 0 and number > 1:
             self.channel.forget_rollouts(number - 1)  # every rank read it before the last step's sync
-        drawn = self.sampler.next_batch()
-        if sent.prompt_indices != drawn:
-            raise RuntimeError(f"step {number}: the rollout ranks drew prompts {sent.prompt_indices[:8]}..., "
-                               f"this trainer's sampler {drawn[:8]}...: the two sides' data positions "
-                               "differ (a bug: both follow the start the trainer published)")
-        prompts = [self.prompts[i] for i in drawn]
-        collected = scored(sent.samples, prompts, self.tokenizer, self.scorer)
-        batch = collected.batch
+        parts, prompts = [], []
+        for indices, samples in zip(sent.rounds, sent.samples):  # with dynamic sampling, each round
+            drawn = self.sampler.next_batch()
+            if indices != drawn:
+                raise RuntimeError(f"step {number}: the rollout ranks drew prompts {indices[:8]}..., this "
+                                   f"trainer's sampler {drawn[:8]}...: the two sides' data positions differ "
+                                   "(a bug: both follow the start the trainer published)")
+            round_prompts = [self.prompts[i] for i in drawn]
+            parts.append(scored(samples, round_prompts, self.tokenizer, self.scorer))
+            prompts += round_prompts
+        rollouts = step_rollouts(parts, prompts, self.config)
+        batch = rollouts.collected.batch
         lags = sequence_lags(batch.rollout_versions, batch.loss_mask, self.version)
         bound = self.config.async_.max_staleness
         if int(lags.max()) > bound:
             raise RuntimeError(f"step {number}: a sample is {int(lags.max())} versions older than the "
                                f"trainer's {self.version}, beyond async.max_staleness={bound}")
-        return Rollouts(collected, prompts, batch.lengths.tolist(), {
-            **sent.metrics, "async/sample_lag_mean": float(lags.double().mean()),
+        return replace(rollouts, metrics={
+            **rollouts.metrics, **sent.metrics, "async/sample_lag_mean": float(lags.double().mean()),
             "async/sample_lag_max": int(lags.max()), "async/engine_restarts": self.role.generation})
 
     def evaluate(self, version: int) -> Dict[str, float]:

@@ -32,9 +32,10 @@ class Start:
 @dataclass(frozen=True)
 class StepRollouts:
     step: int
-    prompt_indices: List[int]      # the step's prompts (the sampler's draw), for the trainer to check
-    samples: List[RolloutSample]   # prompt order, then sample order; each token's version recorded
-    metrics: dict                  # the rollout side's, since the previous step's (rollout_server.py)
+    # Per round (one, or with dynamic sampling as many as the rollout side drew: step_draws.py):
+    rounds: List[List[int]]              # its prompts (the sampler's draw), for the trainer to check
+    samples: List[List[RolloutSample]]   # prompt order, then sample order; each token's version recorded
+    metrics: dict                        # the rollout side's, since the previous step's (rollout_server.py)
 
 
 @dataclass(frozen=True)

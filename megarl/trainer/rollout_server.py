@@ -6,7 +6,8 @@ the others, so their vLLM schedulers see the same calls):
   - a weight push announced -> join it over the bridge; unfinished requests continue (or restart)
     with the new weights (megarl/rollout/turns.py);
   - step n may be drawn once the engine holds version >= n - 1 - max_staleness (its samples are
-    then never older than that when step n trains on version n - 1); draw it;
+    then never older than that when step n trains on version n - 1); draw it (step_draws.py; with
+    dynamic sampling, once the steps before it have all their rounds);
   - an evaluation requested (held-out sets) -> its draws go in after the training draws its
     weights allow (rollout_evaluation.py); a push drops and restarts one in flight;
   - one engine step; the oldest step whose samples are all finished goes to the trainers; an
@@ -43,7 +44,7 @@ from megarl.rollout.turns import TurnDriver
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_channel import RolloutChannel, StepRollouts
 from megarl.trainer.rollout_evaluation import RolloutEvaluations
-from megarl.trainer.rollout_source import step_sampling
+from megarl.trainer.step_draws import StepDraws
 
 WEIGHTS, STOP, GENERATE, WAIT = "weights", "stop", "generate", "wait"
 
@@ -79,13 +80,13 @@ def serve(config: RunConfig, role: Role) -> None:
     driver = TurnDriver(engine, config.async_.partial_rollout, version=0)
     evaluations = (RolloutEvaluations(config, tokenizer, channel, producer, driver, leader=role.rank == 0)
                    if config.eval.sets else None)
+    steps = StepDraws(config, tokenizer, prompts, sampler, producer, driver, leader=role.rank == 0)
     staleness, bucket = config.async_.max_staleness, config.layout.sync_bucket_mb * 2**20
     version, next_draw, next_send = start.version - 1, start.version + 1, start.version + 1
-    drawn = {}  # step -> its prompt indices
     clock = _Clock()
     while True:
-        turn = _decide(channel, role.generation, version, next_draw, staleness, producer, config.steps,
-                       evaluations)
+        turn = _decide(channel, role.generation, version, next_draw if steps.can_draw() else config.steps + 1,
+                       staleness, producer, config.steps, evaluations)
         if turn == STOP:
             break
         if turn == WEIGHTS:
@@ -102,20 +103,18 @@ def serve(config: RunConfig, role: Role) -> None:
                                                  evaluations.news if evaluations else lambda: False)
             clock.lap("idle_s")
         else:
-            while next_draw <= config.steps and next_draw - 1 - staleness <= version:
-                drawn[next_draw] = sampler.next_batch()
-                producer.start(driver, next_draw, [prompts[i] for i in drawn[next_draw]],
-                               step_sampling(config, tokenizer, next_draw))
+            while next_draw <= config.steps and next_draw - 1 - staleness <= version and steps.can_draw():
+                steps.draw(next_draw)
                 next_draw += 1
             if evaluations is not None:  # after the training draws: vLLM schedules first come first
                 evaluations.start(version)
             if producer.busy():
                 producer.step(driver)
             clock.lap("generate_s")
-            samples = producer.finished(driver, next_send)
-            if samples is not None:
+            drawn = steps.finished(next_send)
+            if drawn is not None:
                 if role.rank == 0:
-                    channel.put_rollouts(StepRollouts(next_send, drawn.pop(next_send), samples, {
+                    channel.put_rollouts(StepRollouts(next_send, *drawn, {
                         **{f"async/rollout_{k}": v for k, v in clock.take().items()},
                         "async/interrupted_requests": driver.interrupted,
                         "async/restart_discarded_tokens": driver.discarded_tokens}))
@@ -124,6 +123,7 @@ def serve(config: RunConfig, role: Role) -> None:
                 evaluations.sampled()
     if evaluations is not None:
         evaluations.close()
+    steps.close()
     producer.close()
     engine.shutdown()
 

@@ -78,6 +78,35 @@ def step_sampling(config: RunConfig, tokenizer, number: int, round_: int = 0) ->
                           seed=seed)
 
 
+def informative_count(part: Collected) -> int:
+    """The groups of one round whose rewards differ (DAPO keeps those)."""
+    batch = part.batch
+    return len(torch.unique(batch.group_ids[informative_groups(batch.rewards, batch.group_ids)]))
+
+
+def rounds_wanted(parts: Sequence[Collected], extra_rounds: int, wanted: int) -> bool:
+    """Whether a step whose rounds so far are `parts` draws another: with dynamic sampling
+    (extra_rounds > 0), while fewer than `wanted` groups were informative and rounds are left.
+    The rollout ranks decide by it too, so both placements draw the same rounds."""
+    return 0 < len(parts) <= extra_rounds and sum(map(informative_count, parts)) < wanted
+
+
+def step_rollouts(parts: List[Collected], prompts: List[Prompt], config: RunConfig) -> Rollouts:
+    """A step's Rollouts from its rounds (scored, in draw order; `prompts`: theirs, in order):
+    the one round as it is, or with dynamic sampling the first prompts_per_step groups whose
+    rewards differ (keep_informative), with the rounds' metrics."""
+    if not config.algo.dynamic_sampling_rounds:
+        return Rollouts(parts[0], prompts, parts[0].batch.lengths.tolist())
+    kept = keep_informative(parts, config.data.prompts_per_step)
+    batch = kept.batch
+    informative = torch.unique(batch.group_ids[informative_groups(batch.rewards, batch.group_ids)])
+    generated = [n for part in parts for n in part.batch.lengths.tolist()]
+    return Rollouts(kept, prompts, generated, {
+        "dynamic_sampling/rounds": len(parts),
+        "dynamic_sampling/informative_groups": sum(map(informative_count, parts)),
+        "dynamic_sampling/uninformative_kept": len(torch.unique(batch.group_ids)) - len(informative)})
+
+
 class _Pushed(NamedTuple):
     """The weights last pushed: what the next step syncs into the engine before it generates."""
     chunks: List[torch.nn.Module]
@@ -143,28 +172,17 @@ class ColocatedRollouts:
         return []  # evaluate() returns each
 
     def _rounds(self, number: int) -> Rollouts:
-        extra_rounds = self.config.algo.dynamic_sampling_rounds
-        wanted = self.config.data.prompts_per_step
-        parts, prompts, found = [], [], 0
-        for round_ in range(extra_rounds + 1):
+        """With DAPO dynamic sampling, rounds of prompts_per_step prompts until enough groups are
+        informative (rounds_wanted)."""
+        algo, parts, prompts = self.config.algo, [], []
+        while True:
             batch_prompts = [self.prompts[i] for i in self.sampler.next_batch()]
-            sampling = step_sampling(self.config, self.tokenizer, number, round_)
+            sampling = step_sampling(self.config, self.tokenizer, number, len(parts))
             parts.append(collect(self.driver, self.producer, batch_prompts, sampling, self.tokenizer,
                                  self.scorer))
             prompts += batch_prompts
-            if not extra_rounds:
-                return Rollouts(parts[0], prompts, parts[0].batch.lengths.tolist())
-            batch = parts[-1].batch
-            found += len(torch.unique(batch.group_ids[informative_groups(batch.rewards, batch.group_ids)]))
-            if found >= wanted:
-                break
-        kept = keep_informative(parts, wanted)
-        batch = kept.batch
-        informative = torch.unique(batch.group_ids[informative_groups(batch.rewards, batch.group_ids)])
-        generated = [n for part in parts for n in part.batch.lengths.tolist()]
-        return Rollouts(kept, prompts, generated, {
-            "dynamic_sampling/rounds": len(parts), "dynamic_sampling/informative_groups": found,
-            "dynamic_sampling/uninformative_kept": len(torch.unique(batch.group_ids)) - len(informative)})
+            if not rounds_wanted(parts, algo.dynamic_sampling_rounds, self.config.data.prompts_per_step):
+                return step_rollouts(parts, prompts, self.config)
 
     def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch, version: int) -> None:
         """Recorded only: the next rollouts() syncs them once the training state has left the
