@@ -83,10 +83,13 @@ def serve(config: RunConfig, role: Role) -> None:
     steps = StepDraws(config, tokenizer, prompts, sampler, producer, driver, leader=role.rank == 0)
     staleness, bucket = config.async_.max_staleness, config.layout.sync_bucket_mb * 2**20
     version, next_draw, next_send = start.version - 1, start.version + 1, start.version + 1
+
+    def drawable() -> bool:  # the next step, by the staleness bound and its rounds (step_draws.py)
+        return next_draw <= config.steps and next_draw - 1 - staleness <= version and steps.can_draw()
+
     clock = _Clock()
     while True:
-        turn = _decide(channel, role.generation, version, next_draw if steps.can_draw() else config.steps + 1,
-                       staleness, producer, config.steps, evaluations)
+        turn = _decide(channel, role.generation, version, drawable(), producer, evaluations)
         if turn == STOP:
             break
         if turn == WEIGHTS:
@@ -103,7 +106,7 @@ def serve(config: RunConfig, role: Role) -> None:
                                                  evaluations.news if evaluations else lambda: False)
             clock.lap("idle_s")
         else:
-            while next_draw <= config.steps and next_draw - 1 - staleness <= version and steps.can_draw():
+            while drawable():
                 steps.draw(next_draw)
                 next_draw += 1
             if evaluations is not None:  # after the training draws: vLLM schedules first come first
@@ -128,10 +131,10 @@ def serve(config: RunConfig, role: Role) -> None:
     engine.shutdown()
 
 
-def _decide(channel: RolloutChannel, generation: int, version: int, next_draw: int, staleness: int,
-            producer: SampleProducer, steps: int, evaluations: Optional[RolloutEvaluations]) -> str:
+def _decide(channel: RolloutChannel, generation: int, version: int, drawable: bool,
+            producer: SampleProducer, evaluations: Optional[RolloutEvaluations]) -> str:
     """The engine leader's choice for this turn, the same on every rank of the engine, which all
-    take a new evaluation request with it."""
+    take a new evaluation request with it; `drawable`: whether the next step may be drawn."""
     choice = [None]
     if dist.get_rank() == 0:
         request = None
@@ -143,7 +146,7 @@ def _decide(channel: RolloutChannel, generation: int, version: int, next_draw: i
         if channel.weights_announced(generation, version + 1):
             turn = WEIGHTS
         elif (producer.busy() or producer.draws_in_flight()  # in flight, or finished but not yet sent
-              or (next_draw <= steps and next_draw - 1 - staleness <= version)
+              or drawable
               or (evaluations is not None and evaluations.startable(version))):
             turn = GENERATE
         elif channel.stopping():
