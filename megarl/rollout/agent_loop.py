@@ -110,13 +110,14 @@ def _tool_message(name: str, text: str) -> Dict[str, Any]:
     return {"role": "tool", "name": name, "content": text}
 
 
-class AgentLoop:
+class AgentLoop(Draws[_Conversation]):
     """A streaming SampleProducer (producer.py). On an engine of several ranks every rank runs the
     same conversations and submits the same turns; only the engine leader runs tools and
     interactions, in its pool, and each step tells the other ranks which finished with what
     (TurnDriver.from_leader), so a tool's timeout on one rank cannot make the ranks diverge."""
 
     def __init__(self, tokenizer, config: AgentConfig):
+        super().__init__()
         self.tokenizer, self.config = tokenizer, config
         self.parse = load_parser(config.parser)
         loaded = [load_tool(key)[0] for key in config.tools]
@@ -126,7 +127,6 @@ class AgentLoop:
         self.schemas = [tool.schema for tool in loaded] or None
         self._preload = [tool.key for tool in loaded] + ([config.interaction] if config.interaction else [])
         self._pool: Optional[WorkerPool] = None  # the engine leader's, made at its first job
-        self.draws: Draws[_Conversation] = Draws()
         self._ready: List[_Conversation] = []  # whose next turn can be generated
         self._turns: Dict[int, _Conversation] = {}  # id(turn in the engine) -> its conversation
         self._jobs: Dict[int, _Conversation] = {}  # job -> its conversation
@@ -143,7 +143,7 @@ class AgentLoop:
                 seed = sample_seed(sampling, index, j)
                 conversations.append(_Conversation(prompt, index, replace(sampling, n=1, seed=seed), opening,
                                                    list(prompt.messages), use_tools))
-        self.draws.add(draw, conversations)
+        self._add(draw, conversations)
         self._ready += conversations
 
     def step(self, driver: TurnDriver) -> None:
@@ -167,22 +167,15 @@ class AgentLoop:
             if not c.waiting:
                 self._ready.append(c)
 
-    def finished(self, driver: TurnDriver, draw: Draw) -> Optional[List[RolloutSample]]:
-        return self.draws.finished(draw, driver.tracks_versions)
-
-    def drop(self, driver: TurnDriver, draw: Draw) -> None:
+    def drop(self, driver: TurnDriver, draw: Draw) -> List[_Conversation]:
         """A dropped conversation's tool jobs still finish (a worker cannot be told to stop one);
         their results are then ignored."""
-        dropped = set(self.draws.drop(driver, draw))
-        self._ready = [c for c in self._ready if c not in dropped]
-        self._turns = {key: c for key, c in self._turns.items() if c not in dropped}
-        self._jobs = {job: c for job, c in self._jobs.items() if c not in dropped}
-
-    def busy(self) -> bool:
-        return self.draws.unfinished()
-
-    def draws_in_flight(self) -> int:
-        return len(self.draws)
+        dropped = super().drop(driver, draw)
+        gone = set(dropped)
+        self._ready = [c for c in self._ready if c not in gone]
+        self._turns = {key: c for key, c in self._turns.items() if c not in gone}
+        self._jobs = {job: c for job, c in self._jobs.items() if c not in gone}
+        return dropped
 
     def _submit_job(self, driver: TurnDriver, c: _Conversation, job_spec) -> int:
         """A tool or interaction job for conversation `c`: numbered alike on every rank, run by

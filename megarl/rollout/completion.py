@@ -7,7 +7,7 @@ exactly what engine.generate samples. Owns nothing but that; the turns' life in 
 """
 
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -36,33 +36,18 @@ class _Sample:
                              versions=torch.tensor(turn.versions, dtype=torch.int64) if versions else None)
 
 
-class Completion:
-    def __init__(self):
-        self.draws: Draws[_Sample] = Draws()
-
+class Completion(Draws[_Sample]):
     def start(self, driver: TurnDriver, draw: Draw, prompts: Sequence[Prompt],
               sampling: SamplingConfig) -> None:
         samples = [_Sample(index, Turn(list(prompt.token_ids),
                                        replace(sampling, n=1, seed=sample_seed(sampling, index, j))))
                    for index, prompt in enumerate(prompts) for j in range(sampling.n)]
-        self.draws.add(draw, samples)
+        self._add(draw, samples)
         for sample in samples:
             driver.submit(sample.turn)
 
     def step(self, driver: TurnDriver) -> None:
         driver.step()
-
-    def finished(self, driver: TurnDriver, draw: Draw) -> Optional[List[RolloutSample]]:
-        return self.draws.finished(draw, driver.tracks_versions)
-
-    def drop(self, driver: TurnDriver, draw: Draw) -> None:
-        self.draws.drop(driver, draw)
-
-    def busy(self) -> bool:
-        return self.draws.unfinished()
-
-    def draws_in_flight(self) -> int:
-        return len(self.draws)
 
     def close(self) -> None:
         pass
