@@ -63,7 +63,8 @@ BASE = {"model": {"hf_dir": "m"}, "data": {"path": "d.jsonl"}}
     ({"async": {"max_staleness": -1}, "layout": {"rollout_world_size": 1}}, r"must be >= 0"),
     ({"async": {"partial_rollout": "resume"}, "layout": {"rollout_world_size": 1}},
      r"async.partial_rollout='resume'; choose one of \('continue', 'restart'\)"),
-    ({"layout": {"rollout_world_size": 2}}, r"layout.rollout_world_size=2: .* layout.rollout_tp=1"),
+    ({"layout": {"rollout_world_size": 3, "rollout_tp": 2}},
+     r"layout.rollout_world_size=3: .* layout.rollout_tp=2 ranks each, so give a multiple of 2"),
     ({"layout": {"rollout_world_size": 1}, "algo": {"dynamic_sampling_rounds": 2, "reward": "math + rm:/rm"}},
      r"algo.dynamic_sampling_rounds with reward models \(rm:\) in algo.reward=2 with rollout ranks of "
      r"their own \(layout.rollout_world_size=1\): the rollout ranks judge"),
@@ -81,6 +82,8 @@ def test_asynchronous_configs_that_cannot_work_are_refused(extra, message):
     {"generation": {"producer": "agent", "return_routing": True}},
     {"generation": {"producer": "my_rollouts:make_producer"}},  # a user's, loaded at setup
     {"generation": {"producer": "agent"}, "layout": {"rollout_world_size": 2, "rollout_tp": 2}},
+    {"layout": {"rollout_world_size": 4, "rollout_tp": 2}},  # two engines (rollout/shares.py)
+    {"generation": {"producer": "agent"}, "layout": {"rollout_world_size": 2}},
 ])
 def test_what_composes_with_rollout_ranks_of_their_own_is_accepted(extra):
     layout = {"rollout_world_size": 1, **extra.get("layout", {})}

@@ -1,5 +1,6 @@
 """Rollout engines on ranks of their own (layout.rollout_world_size) under torchrun, with real
-vLLM: staleness 0 is exactly the synchronous colocated loop; with staleness 1 and 2 no trained
+vLLM: staleness 0 is exactly the synchronous colocated loop, also with two engines sharing each
+draw; with staleness 1 and 2 no trained
 sample is older than the bound, and every token sampled by the weights the trainer holds gets
 its log-prob back exactly from the trainer (fp32), also in responses continued across a sync; an
 engine killed with kill -9 is replaced and the run finishes; a held-out evaluation on the rollout
@@ -90,11 +91,14 @@ def _held_out(inputs, tokens: int, *extra):
 
 
 def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tmp_path):
-    """Also with DAPO dynamic sampling (up to 2 extra rounds a step: the rollout rank judges each
-    round's groups and draws the next, step_draws.py; the trainer keeps the informative groups as
-    the colocated loop does), and the held-out evaluations: the rollout rank's, between weight
-    pushes, give the numbers the colocated ones give (the same weights and seeds), at the start
-    (step 0's row, which comes once the rollout rank has scored it) and after the last step."""
+    """Two engines on two rollout ranks (rollout TP1) against one colocated engine: each draw is
+    split over the engines and gathered (rollout/shares.py), every sample seeded as in the whole
+    draw, so the samples, and all the run computed, are the colocated run's. Also with DAPO
+    dynamic sampling (up to 2 extra rounds a step: the rollout leader judges each round's groups
+    and draws the next, step_draws.py; the trainer keeps the informative groups as the colocated
+    loop does), and the held-out evaluations: the rollout ranks', between weight pushes, give the
+    numbers the colocated ones give (the same weights and seeds), at the start (step 0's row,
+    which comes once the rollout leader has scored it) and after the last step."""
     colocated, disaggregated = tmp_path / "colocated", tmp_path / "disaggregated"
     one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": "29541", "OMP_NUM_THREADS": "1"}  # as torchrun sets it
@@ -103,8 +107,8 @@ def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tm
                *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *DYNAMIC, *_held_out(tail_inputs, 8))]
     reference = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **one_rank}, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
-    run(SCRIPT, *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=1",
-                       "async.max_staleness=0", *DYNAMIC, *_held_out(tail_inputs, 8)), nproc=2, timeout=900)
+    run(SCRIPT, *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=2",
+                       "async.max_staleness=0", *DYNAMIC, *_held_out(tail_inputs, 8)), nproc=3, timeout=900)
     output, _ = reference.communicate(timeout=900)
     assert reference.returncode == 0, output[-4000:]
     sync, async_ = (sorted(_steps(d), key=lambda row: row["step"]) for d in (colocated, disaggregated))

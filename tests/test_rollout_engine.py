@@ -1,12 +1,12 @@
 """The vLLM engine's generate honours the sampling parameters (real vLLM, tiny model); every
 sample of a run is seeded apart."""
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from megarl.rollout.engine import Placement, SamplingConfig, sample_seed
+from megarl.rollout.shares import share
 from megarl.rollout.vllm_engine import rollout_groups
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_source import step_sampling
@@ -29,7 +29,7 @@ def test_sampling_parameters_reach_vllm(engine_checks):
 
 def test_every_sample_of_every_draw_has_its_own_seed():
     """One seed per sample across prompts, rounds and steps, and the same seeds whichever engine
-    of a colocated job serves a prompt (collect.py offsets a share by its first prompt)."""
+    of a job serves a prompt (shares.share offsets a share by its first prompt)."""
     config = load(RunConfig, "configs/demo_cpu.yaml", ["algo.dynamic_sampling_rounds=2"])
     tokenizer = SimpleNamespace(eos_token_id=0)
     prompts, n = config.data.prompts_per_step, config.generation.samples_per_prompt
@@ -40,10 +40,8 @@ def test_every_sample_of_every_draw_has_its_own_seed():
     for engines in (1, 2, 3, 5):
         served = []
         for rank in range(engines):
-            mine = Placement(engines, rank, True).share(prompts)
-            if mine:
-                share = replace(draw, seed=sample_seed(draw, mine[0], 0))
-                served += [(i, sample_seed(share, p, j)) for p, i in enumerate(mine) for j in range(n)]
+            mine, sampling = share(Placement(engines, rank, True), prompts, draw)
+            served += [(i, sample_seed(sampling, p, j)) for p, i in enumerate(mine) for j in range(n)]
         assert served == [(i, sample_seed(draw, i, j)) for i in range(prompts) for j in range(n)], engines
 
 

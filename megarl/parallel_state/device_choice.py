@@ -132,6 +132,12 @@ def on_gpu() -> bool:
     return choose(os.environ.get(VARIABLE), cuda, _gpu_present(), nccl, torch.__version__)
 
 
+def collective_device() -> torch.device:
+    """Where this rank computes and where its collectives' tensors live: its current GPU (NCCL)
+    or the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+
+
 @functools.lru_cache(maxsize=None)
 def _this_te_error() -> Optional[str]:
     return _te_error() if on_gpu() else None

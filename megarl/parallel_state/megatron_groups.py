@@ -24,11 +24,8 @@ def backend() -> str:
 
 
 def device() -> torch.device:
-    """Where this rank computes and where its collectives' tensors live: its GPU (NCCL) or the
-    CPU (gloo)."""
-    if device_choice.on_gpu():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where this rank computes and where its collectives' tensors live (device_choice)."""
+    return device_choice.collective_device()
 
 
 def init_distributed(timeout_s: float = 600.0) -> int:

@@ -1,24 +1,24 @@
 """From prompts to a RolloutBatch on every rank: each engine's producer samples the engine's share
 of the prompts, every rank receives all samples, responses are decoded and scored.
 
-Owns splitting prompts over engines (as the engine's placement says), the all-gather of samples,
-and laying samples out as right-padded rows with the rollout log-probs aligned to their tokens.
+Owns collecting one draw over the world's engines (split and gathered as shares.py does) and
+laying samples out as right-padded rows with the rollout log-probs aligned to their tokens.
 Does not own generation (the engine, the producer) or what a reward means (megarl/rewards).
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
 from megarl.algos.shaping import informative_groups
 from megarl.batch.rollout_batch import RolloutBatch
 from megarl.rewards.functions import Request
 from megarl.rewards.scorer import Scorer
-from megarl.rollout.engine import RolloutSample, SamplingConfig, sample_seed
+from megarl.rollout.engine import RolloutSample, SamplingConfig
 from megarl.rollout.producer import SampleProducer, produce
 from megarl.rollout.prompts import Prompt
+from megarl.rollout.shares import gathered, share
 from megarl.rollout.turns import TurnDriver
 
 
@@ -38,17 +38,10 @@ def all_samples(driver: TurnDriver, producer: SampleProducer, prompts: List[Prom
                 sampling: SamplingConfig) -> List[RolloutSample]:
     """Every engine's samples on every rank, ordered by global prompt index; `driver` drives this
     rank's engine. Collective."""
-    engine = driver.engine
-    mine = engine.placement.share(len(prompts))
-    if mine and sampling.seed is not None:  # the share's seeds are the draw's (engine.sample_seed)
-        sampling = replace(sampling, seed=sample_seed(sampling, mine[0], 0))
+    placement = driver.engine.placement
+    mine, sampling = share(placement, len(prompts), sampling)
     samples = produce(producer, driver, [prompts[i] for i in mine], sampling) if mine else []
-    for sample in samples:
-        sample.prompt_index = mine[sample.prompt_index]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, samples if engine.placement.leader else [])
-    every = [s for part in gathered for s in part]
-    return sorted(every, key=lambda s: s.prompt_index)  # stable: keeps each prompt's sample order
+    return gathered(placement, mine, samples)
 
 
 def _routing(samples: List[RolloutSample], width: int):

@@ -63,8 +63,8 @@ class LayoutConfig:
     rollout_tp: int = 1
     rollout_ep: int = 1   # 1, or rollout_tp: each engine splits its experts over its ranks
     # 0: the engines run on the training ranks (the hybrid engine). N: on N ranks of their own
-    # (launch world_size + N processes; the first world_size train), one engine of rollout_tp
-    # ranks, weights pushed over a trainer-rollout bridge.
+    # (launch world_size + N processes; the first world_size train), N / rollout_tp engines of
+    # rollout_tp ranks each, weights pushed over a trainer-rollout bridge.
     rollout_world_size: int = 0
     # the weight sync's bucket (opened engine modules per rank; its round buffers are bounded
     # alike): larger buckets let PP stages send at once (docs/PERFORMANCE.md, cluster scale)
@@ -80,10 +80,10 @@ class LayoutConfig:
         if self.sync_bucket_mb < 1:
             raise ValueError(f"layout.sync_bucket_mb={self.sync_bucket_mb} must be >= 1 (MiB per rank; "
                              "256 is the default)")
-        if self.rollout_world_size and self.rollout_world_size != self.rollout_tp:
+        if self.rollout_world_size < 0 or self.rollout_world_size % self.rollout_tp:
             raise ValueError(f"layout.rollout_world_size={self.rollout_world_size}: rollout ranks of their "
-                             f"own run one engine of layout.rollout_tp={self.rollout_tp} ranks; set them "
-                             "equal (several engines on rollout ranks are not built yet), or 0 to colocate")
+                             f"own run engines of layout.rollout_tp={self.rollout_tp} ranks each, so give a "
+                             f"multiple of {self.rollout_tp} (k engines: k x rollout_tp), or 0 to colocate")
 
     @property
     def disaggregated(self) -> bool:

@@ -1,26 +1,27 @@
-"""Held-out evaluations on rollout ranks of their own (layout.rollout_world_size > 0): the engine
-evaluates the weights it holds between weight pushes, while the trainer ranks train.
+"""Held-out evaluations on rollout ranks of their own (layout.rollout_world_size > 0): the engines
+evaluate the weights they hold between weight pushes, while the trainer ranks train.
 
 Trainer rank 0 requests an evaluation right after pushing the weights to evaluate (loop.py asks
-when eval.* says one is due; disaggregated_rollouts.py); the engine leader reads the request on
-the channel and every rank of the engine takes it in the same turn (rollout_server.py). Each set
-is a streamed draw of its own of the run's producer (megarl/rollout/producer.py), started after
-the training draws the same weights allow, so the engine batches its requests with training's and
-the trainer waits for neither; a weight push never waits for an evaluation. A push that comes
-while one runs drops its draws and the evaluation starts again, whole, with the new weights
-(async/eval_restarts), so its numbers are always those of one version, the one its result names:
-an evaluation longer than a training step is thus put off until the pushes pause (after the last
-step they stop).
+when eval.* says one is due; disaggregated_rollouts.py); the rollout leader (the rollout world's
+rank 0) reads the request on the channel and every rank of the rollout world takes it in the same
+turn (rollout_server.py). Each set is a streamed draw of its own of the run's producer
+(megarl/rollout/producer.py), split over the engines as training's draws are
+(shares.SharedDraws), started after the training draws the same weights allow, so each engine
+batches its requests with training's and the trainer waits for neither; a weight push never waits
+for an evaluation. A push that comes while one runs drops its draws and the evaluation starts
+again, whole, with the new weights (async/eval_restarts), so its numbers are always those of one
+version, the one its result names: an evaluation longer than a training step is thus put off until
+the pushes pause (after the last step they stop).
 
 A set is sampled as the colocated and the standalone evaluation sample it (evaluator.set_sampling;
-a streamed draw samples what engine.generate does). The engine leader scores it, in a thread of
-its own while the engine goes on, with Scorers of its own built from the same reward tables (a
+a streamed draw samples what engine.generate does). The rollout leader scores it, in a thread of
+its own while the engines go on, with Scorers of its own built from the same reward tables (a
 pool of algo.reward_workers each), so held-out scoring takes no trainer time and stops no
 generation, however slow the reward. Reward models run on the trainer ranks: a set scored by one
 is refused with rollout ranks of their own (config.py).
 
 Owns the rollout side's evaluation in flight. Does not own when one is due (loop.py, EvalConfig),
-the metrics (megarl/evaluation) or the engine's loop (rollout_server.py).
+the metrics (megarl/evaluation) or the engines' loop (rollout_server.py).
 """
 
 import time
@@ -33,8 +34,7 @@ from megarl.evaluation.evaluator import scored_rows, set_sampling
 from megarl.evaluation.sets import HeldOut, load_sets
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.engine import RolloutSample
-from megarl.rollout.producer import SampleProducer
-from megarl.rollout.turns import TurnDriver
+from megarl.rollout.shares import SharedDraws
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_channel import Evaluation, RolloutChannel
 
@@ -55,11 +55,11 @@ class _Pending:
 
 
 class RolloutEvaluations:
-    """Every rank of the engine holds one; `leader`: the engine leader's, which reads requests,
+    """Every rank of the rollout world holds one; `leader`: its rank 0's, which reads requests,
     scores and delivers."""
 
-    def __init__(self, config: RunConfig, tokenizer, channel: RolloutChannel, producer: SampleProducer,
-                 driver: TurnDriver, leader: bool):
+    def __init__(self, config: RunConfig, tokenizer, channel: RolloutChannel, draws: SharedDraws,
+                 leader: bool):
         data, algo = config.data, config.algo
         self.config, self.leader = config.eval_config, leader
         if leader:
@@ -74,7 +74,7 @@ class RolloutEvaluations:
         else:
             self.prompts = load_sets(self.config, tokenizer, data.max_prompt_len, data.overlong_prompts)
         self.seed, self.tokenizer, self.channel = config.seed, tokenizer, channel
-        self.producer, self.driver = producer, driver
+        self.draws = draws
         self.seen = 0  # requests the leader has read
         self.pending: Optional[_Pending] = None  # taken, being sampled
         self.scored: List[Tuple[int, Future]] = []  # the leader's: (request, its Evaluation), oldest first
@@ -113,7 +113,7 @@ class RolloutEvaluations:
             return
         for name, prompts in self.prompts.items():
             sampling = set_sampling(self.config, name, self.seed, self.tokenizer.eos_token_id)
-            self.producer.start(self.driver, _draw(name), prompts, sampling)
+            self.draws.start(_draw(name), prompts, sampling)
         self.pending.version, self.pending.started = version, time.perf_counter()
 
     def drop(self) -> None:
@@ -124,18 +124,18 @@ class RolloutEvaluations:
             return
         for name in self.prompts:
             if name not in pending.samples:
-                self.producer.drop(self.driver, _draw(name))
+                self.draws.drop(_draw(name))
         pending.version, pending.samples = None, {}
         pending.restarts += 1
 
     def sampled(self) -> None:
         """Once every set of the evaluation being sampled is: the leader scores it meanwhile.
-        Every rank of the engine, in the same turn."""
+        Every rank of the rollout world, in the same turn (collective: SharedDraws.finished)."""
         pending = self.pending
         if pending is None or pending.version is None:
             return
         for name in self.prompts:
-            samples = None if name in pending.samples else self.producer.finished(self.driver, _draw(name))
+            samples = None if name in pending.samples else self.draws.finished(_draw(name))
             if samples is not None:
                 pending.samples[name] = samples
         if len(pending.samples) == len(self.prompts):

@@ -1,21 +1,25 @@
-"""What rollout ranks run in a disaggregated job: one vLLM engine generating the next steps'
-rollouts while the trainer ranks train, with weights at most async.max_staleness versions old.
+"""What rollout ranks run in a disaggregated job: vLLM engines (layout.rollout_world_size /
+rollout_tp of them) generating the next steps' rollouts while the trainer ranks train, with weights
+at most async.max_staleness versions old.
 
-The loop, on every rank of the engine in lockstep (the engine leader decides each turn and tells
-the others, so their vLLM schedulers see the same calls):
+The loop, on every rank of the rollout world in lockstep (its rank 0, the rollout leader, decides
+each turn and tells the others, so the ranks of one engine make the same calls on their vLLM
+schedulers and every engine joins the same pushes and collectives):
   - a weight push announced -> join it over the bridge; unfinished requests continue (or restart)
     with the new weights (megarl/rollout/turns.py);
   - step n may be drawn once the engine holds version >= n - 1 - max_staleness (its samples are
     then never older than that when step n trains on version n - 1); draw it (step_draws.py; with
-    dynamic sampling, once the steps before it have all their rounds);
+    dynamic sampling, once the steps before it have all their rounds); each draw is split over
+    the engines, each sampling its share of the prompts (shares.SharedDraws);
   - an evaluation requested (held-out sets) -> its draws go in after the training draws its
     weights allow (rollout_evaluation.py); a push drops and restarts one in flight;
-  - one engine step; the oldest step whose samples are all finished goes to the trainers; an
+  - one step of each engine; the oldest step whose samples are all finished on every engine goes
+    to the trainers (gathered on every rank: shares.py); an
     evaluation whose samples are is scored meanwhile, and its metrics go to them once it is;
   - nothing to do -> wait for the next push, an evaluation's request or score, or stop.
 Prompts are drawn as the trainer's sampler draws them (same seed, same position: the start the
 trainer publishes for this generation of engines), so the trainer checks every step's prompts.
-Rollouts in flight when the run stops, or when this engine dies, are dropped: the next
+Rollouts in flight when the run stops, or when an engine dies, are dropped: the next
 generation, or a resumed run, draws again from the trainer's position (the same prompts and
 seeds).
 
@@ -30,16 +34,18 @@ Owns the rollout ranks' side of asynchronous training. Does not own building the
 """
 
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from megarl.models.hf_config import arch_from_hf_config, load_hf_config
+from megarl.parallel_state import device_choice
 from megarl.parallel_state.roles import Role
 from megarl.resharding.sync import sync_weights
 from megarl.rollout.builder import build_rollout_side
-from megarl.rollout.producer import SampleProducer
 from megarl.rollout.prompts import PromptSampler
+from megarl.rollout.shares import SharedDraws
 from megarl.rollout.turns import TurnDriver
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_channel import RolloutChannel, StepRollouts
@@ -78,9 +84,10 @@ def serve(config: RunConfig, role: Role) -> None:
     sampler = PromptSampler(len(prompts), data.prompts_per_step, data.seed)
     sampler.load_state_dict(start.sampler_state)
     driver = TurnDriver(engine, config.async_.partial_rollout, version=0)
-    evaluations = (RolloutEvaluations(config, tokenizer, channel, producer, driver, leader=role.rank == 0)
+    draws = SharedDraws(producer, driver)
+    evaluations = (RolloutEvaluations(config, tokenizer, channel, draws, leader=role.rank == 0)
                    if config.eval.sets else None)
-    steps = StepDraws(config, tokenizer, prompts, sampler, producer, driver, leader=role.rank == 0)
+    steps = StepDraws(config, tokenizer, prompts, sampler, draws, leader=role.rank == 0)
     staleness, bucket = config.async_.max_staleness, config.layout.sync_bucket_mb * 2**20
     version, next_draw, next_send = start.version - 1, start.version + 1, start.version + 1
 
@@ -89,7 +96,7 @@ def serve(config: RunConfig, role: Role) -> None:
 
     clock = _Clock()
     while True:
-        turn = _decide(channel, role.generation, version, drawable(), producer, evaluations)
+        turn = _decide(channel, role.generation, version, drawable(), draws, evaluations)
         if turn == STOP:
             break
         if turn == WEIGHTS:
@@ -111,16 +118,16 @@ def serve(config: RunConfig, role: Role) -> None:
                 next_draw += 1
             if evaluations is not None:  # after the training draws: vLLM schedules first come first
                 evaluations.start(version)
-            if producer.busy():
-                producer.step(driver)
+            draws.step()
             clock.lap("generate_s")
             drawn = steps.finished(next_send)
             if drawn is not None:
+                interrupted, discarded = _over_engines(driver)
                 if role.rank == 0:
                     channel.put_rollouts(StepRollouts(next_send, *drawn, {
                         **{f"async/rollout_{k}": v for k, v in clock.take().items()},
-                        "async/interrupted_requests": driver.interrupted,
-                        "async/restart_discarded_tokens": driver.discarded_tokens}))
+                        "async/interrupted_requests": interrupted,
+                        "async/restart_discarded_tokens": discarded}))
                 next_send += 1
             if evaluations is not None:
                 evaluations.sampled()
@@ -131,10 +138,22 @@ def serve(config: RunConfig, role: Role) -> None:
     engine.shutdown()
 
 
+def _over_engines(driver: TurnDriver) -> Tuple[int, int]:
+    """(requests interrupted at weight pushes, tokens restarts discarded) so far, summed over the
+    engines (each counted by its leader). Collective over the rollout world."""
+    counts = torch.tensor([driver.interrupted, driver.discarded_tokens] if driver.engine.placement.leader
+                          else [0, 0], dtype=torch.int64, device=device_choice.collective_device())
+    if dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    interrupted, discarded = counts.tolist()
+    return interrupted, discarded
+
+
 def _decide(channel: RolloutChannel, generation: int, version: int, drawable: bool,
-            producer: SampleProducer, evaluations: Optional[RolloutEvaluations]) -> str:
-    """The engine leader's choice for this turn, the same on every rank of the engine, which all
-    take a new evaluation request with it; `drawable`: whether the next step may be drawn."""
+            draws: SharedDraws, evaluations: Optional[RolloutEvaluations]) -> str:
+    """The rollout leader's choice for this turn, the same on every rank of the rollout world,
+    which all take a new evaluation request with it; `drawable`: whether the next step may be
+    drawn."""
     choice = [None]
     if dist.get_rank() == 0:
         request = None
@@ -145,7 +164,7 @@ def _decide(channel: RolloutChannel, generation: int, version: int, drawable: bo
                 evaluations.request(*request)
         if channel.weights_announced(generation, version + 1):
             turn = WEIGHTS
-        elif (producer.busy() or producer.draws_in_flight()  # in flight, or finished but not yet sent
+        elif (draws.in_flight()  # on some engine, or finished on all but not yet sent
               or drawable
               or (evaluations is not None and evaluations.startable(version))):
             turn = GENERATE

@@ -13,8 +13,12 @@ algo.reward_workers), and every rank of the engine takes its decision in the sam
 trainer scores the rounds again with its own, so a reward must give the same number for the same
 response (reward models, which run on the trainer ranks, are refused here: config.py).
 
+With several engines on the rollout ranks each round is split over them (shares.SharedDraws): a
+round is finished once every engine's share is, and every rank then holds all its samples.
+
 Owns which prompts each step's rounds sample and when a step is complete. Does not own generation
-(the producer), the weights (rollout_server.py) or what the trainer keeps (rollout_source.py).
+(the producer), the split over engines (shares.py), the weights (rollout_server.py) or what the
+trainer keeps (rollout_source.py).
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -24,9 +28,8 @@ import torch.distributed as dist
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.collect import Collected, scored
 from megarl.rollout.engine import RolloutSample
-from megarl.rollout.producer import SampleProducer
 from megarl.rollout.prompts import Prompt, PromptSampler
-from megarl.rollout.turns import TurnDriver
+from megarl.rollout.shares import SharedDraws
 from megarl.trainer.config import RunConfig
 from megarl.trainer.rollout_source import rounds_wanted, step_sampling
 
@@ -39,10 +42,10 @@ def _draw(step: int, round_: int):
 
 class StepDraws:
     def __init__(self, config: RunConfig, tokenizer, prompts: List[Prompt], sampler: PromptSampler,
-                 producer: SampleProducer, driver: TurnDriver, leader: bool):
+                 draws: SharedDraws, leader: bool):
         algo = config.algo
         self.config, self.tokenizer, self.prompts, self.sampler = config, tokenizer, prompts, sampler
-        self.producer, self.driver = producer, driver
+        self.draws = draws
         self.extra_rounds, self.wanted = algo.dynamic_sampling_rounds, config.data.prompts_per_step
         self.judge = (Scorer(algo.reward_table, algo.reward_workers, algo.reward_timeout_s, collective=False)
                       if leader and self.extra_rounds else None)
@@ -66,18 +69,18 @@ class StepDraws:
         indices = self.sampler.next_batch()
         round_ = len(self.rounds[step])
         self.rounds[step].append(indices)
-        self.producer.start(self.driver, _draw(step, round_), [self.prompts[i] for i in indices],
-                            step_sampling(self.config, self.tokenizer, step, round_))
+        self.draws.start(_draw(step, round_), [self.prompts[i] for i in indices],
+                         step_sampling(self.config, self.tokenizer, step, round_))
 
     def finished(self, step: int) -> Optional[Tuple[List[List[int]], List[List[RolloutSample]]]]:
         """(each round's prompt indices, each round's samples) of step `step` once all its rounds
         are drawn and sampled, else None; with dynamic sampling, a round just finished draws the
-        next where rounds_wanted says so. Every rank of the engine in the same turn (collective
-        over them when a round finishes with dynamic sampling)."""
+        next where rounds_wanted says so. Every rank of the rollout world in the same turn
+        (collective over them: SharedDraws.finished, and the judgement with dynamic sampling)."""
         if step not in self.rounds:
             return None
         round_ = len(self.sampled[step])
-        samples = self.producer.finished(self.driver, _draw(step, round_))
+        samples = self.draws.finished(_draw(step, round_))
         if samples is None:
             return None
         self.sampled[step].append(samples)
