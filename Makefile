@@ -45,9 +45,10 @@ $(STAMP): setup.py $(LOCK)
 	touch $@
 
 # Tiers (tests/conftest.py, TIERS): unit, distributed, e2e. test-quick runs the unit tier only.
+# The full suite runs on two workers, each a lane of whole modules (tests/conftest.py, lanes).
 test: install
 	$(BIN)/ruff check megarl scripts tests bench requirements
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
 
 test-quick: install
 	$(BIN)/ruff check megarl scripts tests bench requirements
