@@ -48,7 +48,7 @@ $(STAMP): setup.py $(LOCK)
 # The full suite runs on two workers, each a lane of whole modules (tests/conftest.py, lanes).
 test: install
 	$(BIN)/ruff check megarl scripts tests bench requirements
-	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -n 2 tests
 
 test-quick: install
 	$(BIN)/ruff check megarl scripts tests bench requirements

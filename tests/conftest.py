@@ -3,6 +3,7 @@ variant, their Megatron conversions (made with the user-facing converter script)
 inputs."""
 
 import os
+import pathlib
 
 import pytest
 
@@ -111,7 +112,7 @@ TIERS = {
 }
 
 
-# make test runs the suite on two pytest-xdist workers (Makefile: -n 2 --dist loadgroup), each a
+# make test runs the suite on two pytest-xdist workers (Makefile: -n 2), each a
 # lane of whole modules run in file order: most launches here leave one of the 2 cores idle for
 # much of their time (two one-rank training runs side by side took 31 s, one alone 30 s). A
 # module's fixtures are made once, in its lane; modules sharing a session fixture's runs, or one
@@ -148,6 +149,21 @@ def lanes(modules, count: int = 2) -> dict:
     return lane_of
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler for make test: each worker runs one lane (lanes()), its tests in
+    file order. (xdist's own grouping, --dist loadgroup, renames test ids in a way pytest 9 no
+    longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    lane_of = lanes(path.stem for path in pathlib.Path(__file__).parent.rglob("test_*.py"))
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return f"lane{lane_of[pathlib.Path(nodeid.split('::')[0]).stem]}"
+
+    return Lanes(config, log)
+
+
 def _tiers(module: str):
     """(the module's tier, {test function: tier}) as TIERS gives them."""
     entry = TIERS[module]
@@ -176,10 +192,6 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"TIERS in tests/conftest.py names tests that {item.path.name} does "
                                     f"not have: {stale}")
         item.add_marker(getattr(pytest.mark, tests.get(getattr(item, "originalname", item.name), default)))
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup":
-        lane_of = lanes(item.path.stem for item in items)
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(f"lane{lane_of[item.path.stem]}"))
 
 def selected_params(request, name: str) -> set:
     """The values of parameter `name` in the selected tests that use the requesting (module-scoped)

@@ -197,7 +197,8 @@ def test_stale_shared_memory_segments_are_removed(tmp_path):
 
 def test_a_killed_run_does_not_break_the_next(hf_models):
     """kill -9 during a rollout-TP2 run leaves vLLM's CPU shared-memory segments behind; the
-    next run must clean them up instead of failing with errno 17."""
+    next run cleans them up and runs (before segments were named per launch, vllm_cpu_fixes.
+    per_launch_shm_names, a leftover made it fail with errno 17)."""
     import subprocess
     import sys
     import time
