@@ -45,10 +45,9 @@ $(STAMP): setup.py $(LOCK)
 	touch $@
 
 # Tiers (tests/conftest.py, TIERS): unit, distributed, e2e. test-quick runs the unit tier only.
-# The full suite runs on two workers, each a lane of whole modules (tests/conftest.py, lanes).
 test: install
 	$(BIN)/ruff check megarl scripts tests bench requirements
-	$(BIN)/python -m pytest -n 2 tests
+	$(BIN)/python -m pytest tests
 
 test-quick: install
 	$(BIN)/ruff check megarl scripts tests bench requirements

@@ -33,6 +33,6 @@ setup(
         # isolation, as TE documents; here only its CUDA 13 core, in megatron-core 0.16.1's range
         # (>=2.9,<2.12), matching torch 2.13.0's CUDA 13.0. apex is built from source (README).
         "cuda": ["vllm==0.32.0", "transformer-engine[core_cu13]==2.11.0"],
-        "dev": ["pytest==9.2.0", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0", "ruff==0.14.0"],
+        "dev": ["pytest==9.2.0", "pytest-timeout==2.4.0", "ruff==0.14.0"],
     },
 )

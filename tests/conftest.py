@@ -3,7 +3,6 @@ variant, their Megatron conversions (made with the user-facing converter script)
 inputs."""
 
 import os
-import pathlib
 
 import pytest
 
@@ -110,58 +109,6 @@ TIERS = {
     "test_weight_transforms": UNIT,
     "test_worker_env": UNIT,
 }
-
-
-# make test runs the suite on two pytest-xdist workers (Makefile: -n 2), each a
-# lane of whole modules run in file order: most launches here leave one of the 2 cores idle for
-# much of their time (two one-rank training runs side by side took 31 s, one alone 30 s). A
-# module's fixtures are made once, in its lane; modules sharing a session fixture's runs, or one
-# machine-wide resource, share a lane. Lanes are balanced by each module's seconds on this machine
-# (pytest --durations=0, 2026-11-28: 3192 s in one process); a module not listed counts 10.
-TOGETHER = [
-    ("test_loop", "test_slurm", "test_two_node_ray"),  # Ray: test_loop counts the machine's Ray processes
-    ("test_weight_sync", "test_plan_sync", "test_rollout_engine"),  # verified_sync's, engine_checks' runs
-    ("test_actor_critic", "test_checkpoint_files", "test_conversion", "test_layout_parity",
-     "test_nonfinite"),  # megatron_models' conversions
-]
-SECONDS = {"test_loop": 766, "test_async_rollout": 369, "test_weight_sync": 361, "test_agent_loop": 224,
-           "test_bench_smoke": 209, "test_weight_sync_fuzz": 168, "test_plan_sync": 117, "test_slurm": 110,
-           "test_gpu_check": 94, "test_actor_critic": 93, "test_layout_parity": 80, "test_conversion": 68,
-           "test_memory_plan": 68, "test_two_node_ray": 67, "test_conversion_fuzz": 39,
-           "test_recompute_offload": 32, "test_presets": 32, "test_source_layout_live": 32,
-           "test_collective_timeout": 29, "test_routing_replay": 27, "test_rollout_engine": 24,
-           "test_checkpoint_extra_state": 22, "test_memory_order": 22, "test_offload": 21,
-           "test_value_model": 19, "test_spec_keys": 17, "test_streaming_rollout": 14,
-           "test_checkpoint_files": 13}
-
-
-def lanes(modules, count: int = 2) -> dict:
-    """{module: its lane, 0..count-1}: TOGETHER's sets whole, the heaviest first into the lane with
-    the fewest seconds so far."""
-    modules = sorted(set(modules))
-    units = [[m for m in group if m in modules] for group in TOGETHER]
-    units += [[m] for m in modules if not any(m in group for group in TOGETHER)]
-    load, lane_of = [0] * count, {}
-    for unit in sorted(filter(None, units), key=lambda u: (-sum(SECONDS.get(m, 10) for m in u), u)):
-        lane = load.index(min(load))
-        load[lane] += sum(SECONDS.get(m, 10) for m in unit)
-        lane_of.update((m, lane) for m in unit)
-    return lane_of
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's scheduler for make test: each worker runs one lane (lanes()), its tests in
-    file order. (xdist's own grouping, --dist loadgroup, renames test ids in a way pytest 9 no
-    longer reads.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    lane_of = lanes(path.stem for path in pathlib.Path(__file__).parent.rglob("test_*.py"))
-
-    class Lanes(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return f"lane{lane_of[pathlib.Path(nodeid.split('::')[0]).stem]}"
-
-    return Lanes(config, log)
 
 
 def _tiers(module: str):
