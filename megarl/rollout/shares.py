@@ -77,7 +77,8 @@ class SharedDraws:
 
     def finished(self, draw: Draw) -> Optional[List[RolloutSample]]:
         """The whole draw's samples (prompt order, then sample order) once every engine's share is
-        finished, else None. Collective over the world when it holds several engines."""
+        finished, else None. Collective over the world when it holds several engines (with one,
+        its share is the whole draw, already on every rank: nothing to gather)."""
         if draw not in self._mine:
             return None
         if draw not in self._done:
@@ -89,7 +90,10 @@ class SharedDraws:
             ready = _everywhere(ready)
         if not ready:
             return None
-        return gathered(self.placement, self._mine.pop(draw), self._done.pop(draw))
+        mine, samples = self._mine.pop(draw), self._done.pop(draw)
+        if self.placement.engines == 1:  # every rank holds its engine's samples, of the whole draw
+            return samples
+        return gathered(self.placement, mine, samples)
 
     def drop(self, draw: Draw) -> None:
         """Forget `draw` on this engine, aborting what its share has in flight."""
