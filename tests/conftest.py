@@ -104,6 +104,7 @@ TIERS = {
     "test_two_node_ray": E2E,  # a two-node Ray cluster on this machine, one step of the demo
     "test_typed_config": UNIT,
     "test_value_model": DISTRIBUTED,
+    "test_vllm_cpu_fixes": E2E,  # imports vLLM's sampler (seconds); no engine
     "test_weight_sync": (E2E, {"test_stale_shared_memory_segments_are_removed": UNIT}),
     "test_weight_sync_fuzz": (E2E, {"test_seeds_cover_the_risky_corners": UNIT}),
     "test_weight_transforms": UNIT,

@@ -110,6 +110,7 @@ class VLLMEngine:
             kwargs = dict(distributed_executor_backend="external_launcher")
         if not device_choice.on_gpu():
             vllm_cpu_fixes.per_launch_shm_names()
+            vllm_cpu_fixes.eager_helpers()
             kwargs.update(vllm_cpu_fixes.whole_prefills(), **vllm_cpu_fixes.reference_mla(hf_dir))
         with vllm_fp32_router.fp32_gates(router_fp32), capture_at_load(return_routing) as captures:
             self.llm = LLM(
