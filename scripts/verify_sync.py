@@ -39,6 +39,20 @@ def _per_rank(mine: dict, world: int) -> list:
     return ranks
 
 
+def _across_push(chunks, arch, engine, prompts, sampling, args) -> dict:
+    """The routing replay of samples continued across a weight push (--push-after-steps)."""
+    def push():
+        verify.perturb(chunks, arch, args.perturb, args.seed + 1)
+        sync_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
+
+    samples, interrupted = verify.streamed_across_push(engine, prompts, sampling, args.push_after_steps, push)
+    newest = [s for s in samples if int(s.versions.max()) == 1]  # lag 0: finished by the actor's weights
+    return {"interrupted": interrupted, "samples": len(newest),
+            "continued": sum(int(s.versions.min()) == 0 for s in newest),
+            "tokens_of_version_1": sum(int((s.versions == 1).sum()) for s in newest),
+            **verify.routing_replay_report(chunks, arch, newest, version=1)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--hf-dir", required=True)
@@ -66,6 +80,11 @@ def main():
                         help="MoE: the engine returns each token's experts; report, for router "
                              "replay off and rollout (R3), the log-prob difference and the fraction "
                              "of (token, layer) pairs routed differently (key 'routing')")
+    parser.add_argument("--push-after-steps", type=int, default=0, metavar="K",
+                        help="with --routing: then stream the prompts turn by turn, perturb and sync "
+                             "again after K engine steps, continue the unfinished requests with the "
+                             "new weights, and report the routing replay of the samples the new "
+                             "weights finished, over the tokens they sampled (key 'across_push')")
     parser.add_argument("--no-router-fp32", action="store_true",
                         help="MoE gates in the model's dtype in both actor and engine (default: fp32, "
                              "as model.router_fp32)")
@@ -116,6 +135,8 @@ def main():
         # what the engine's MoE gates compute in (fp32 unless --no-router-fp32)
         result["routing"]["engine_gate_dtypes"] = sorted(
             {str(t.dtype) for name, t in engine.live_weights().items() if name.endswith(".gate.weight")})
+    if args.routing and args.push_after_steps:
+        result["across_push"] = _across_push(chunks, arch, engine, mine, sampling, args)
     if args.export:
         verify.export_synced(chunks, arch, args.hf_dir, samples, args.export)
     if args.loader_parity:

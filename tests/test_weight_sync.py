@@ -21,8 +21,10 @@ CASES = {
     "single_tied": (1, "llama_tied", []),
     "tp2_into_rollout_tp1": (2, "qwen3", ["--tp", "2", "--rollout-tp", "1"]),
     # GLM-4.5-style: expert bias, shared experts, a dense first layer, partial RoPE; the engine
-    # returns its routing, which the actor then replays (R3)
-    "tp2_into_rollout_tp2_moe": (2, "glm4_moe", ["--tp", "2", "--rollout-tp", "2", "--routing"]),
+    # returns its routing, which the actor then replays (R3), also on samples streamed across a
+    # second sync (--push-after-steps)
+    "tp2_into_rollout_tp2_moe": (2, "glm4_moe", ["--tp", "2", "--rollout-tp", "2", "--routing",
+                                                 "--push-after-steps", "3"]),
     "pp2_kv_heads_below_rollout_tp": (2, "qwen2_gqa1", ["--pp", "2", "--rollout-tp", "2", LOADER]),
     "pp2_tied_into_rollout_tp1": (2, "llama_tied", ["--pp", "2", "--rollout-tp", "1", LOADER]),
     "ep2_into_rollout_tp2": (2, "mixtral", ["--ep", "2", "--rollout-tp", "2"]),
@@ -64,6 +66,17 @@ def test_sync_makes_vllm_match_the_actor(case, syncs):
         assert off["routing/topk_diff_fraction"] <= 0.01, result["routing"]
         assert r3["routing/topk_diff_fraction"] == 0.0, result["routing"]
         assert r3["max_abs_logprob_diff"] <= 1e-4, result["routing"]
+    if "--push-after-steps" in flags:
+        # Responses begun by the weights before a push and finished by the new ones (partial
+        # rollouts, "continue"): the routing each returns is the new weights' at every position,
+        # the prefix the old weights sampled included, so replayed it gives the new tokens the
+        # actor's log-probs exactly; routing left from the first request would move them.
+        across = result["across_push"]
+        assert across["continued"] == across["interrupted"] > 0, across
+        assert across["tokens_of_version_1"] > 0, across
+        assert across["rollout"]["routing/topk_diff_fraction"] == 0.0, across
+        assert across["rollout"]["max_abs_logprob_diff"] <= 1e-4, across
+        assert across["off"]["routing/topk_diff_fraction"] <= 0.01, across
     if LOADER in flags:
         assert result["weight_parity_max_abs_diff"] == [0.0] * world, result
         assert min(result["weight_parity_tensors"]) > 0, result

@@ -9,7 +9,7 @@ so the check covers the path training takes. Does not own the sync (resharding) 
 import json
 import os
 import zlib
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,10 @@ from megarl.models.hf_config import ModelArch, load_hf_config
 from megarl.models.param_layout import weight_slots
 from megarl.parallel_state import megatron_groups
 from megarl.rollout.collect import to_batch
+from megarl.rollout.completion import Completion
 from megarl.rollout.engine import RolloutSample, SamplingConfig
+from megarl.rollout.prompts import Prompt
+from megarl.rollout.turns import TurnDriver
 
 
 @torch.no_grad()
@@ -69,12 +72,15 @@ def actor_logprob_diff(actor: Actor, samples: List[RolloutSample]) -> float:
 
 
 def routing_replay_report(chunks: List[torch.nn.Module], arch: ModelArch,
-                          samples: List[RolloutSample]) -> dict:
+                          samples: List[RolloutSample], version: Optional[int] = None) -> dict:
     """{router replay "off" and "rollout" (R3): the max |rollout - actor| log-prob difference over
-    the sampled tokens, and how often the experts the actor used differ from the engine's
-    (algos/mismatch.py)}, for samples from an engine started with return_routing. Collective."""
+    the sampled tokens (`version`: those that policy version sampled, the actor's), and how often
+    the experts the actor used differ from the engine's (algos/mismatch.py)}, for samples from an
+    engine started with return_routing. Collective."""
     batch = to_batch(samples, rewards=torch.zeros(len(samples)))
     sampled = batch.loss_mask.bool()
+    if version is not None:
+        sampled &= batch.rollout_versions == version
     report = {}
     for mode in ("off", "rollout"):
         scored = checking_actor(chunks, arch, router_replay=mode).logprobs(batch)
@@ -82,6 +88,24 @@ def routing_replay_report(chunks: List[torch.nn.Module], arch: ModelArch,
         report[mode] = {"max_abs_logprob_diff": float(diff.max()),
                         **mismatch.routing_mismatch(batch.rollout_routing, scored.old_routing)}
     return report
+
+
+def streamed_across_push(engine, prompts: List[List[int]], sampling: SamplingConfig,
+                         steps_before: int, push) -> Tuple[List[RolloutSample], int]:
+    """(every engine's samples on every rank, requests interrupted) of `prompts` streamed turn by
+    turn as rollout ranks of their own stream them (TurnDriver, "continue"), version 0 until
+    `push()` (a weight sync to version 1) after `steps_before` engine steps: the requests
+    unfinished then go on with the new weights, their prefix recomputed by them."""
+    driver, completion = TurnDriver(engine, "continue", version=0), Completion()
+    completion.start(driver, 0, [Prompt("", ids, None) for ids in prompts], sampling)
+    for _ in range(steps_before):
+        completion.step(driver)
+    driver.pause()
+    push()
+    driver.weights_updated(1)
+    while completion.busy():
+        completion.step(driver)
+    return all_samples(completion.finished(driver, 0)), driver.interrupted
 
 
 def export_synced(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
