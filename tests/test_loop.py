@@ -1,6 +1,8 @@
 """The training loop end to end on the demo's inputs: Ray-launched PPO (GAE + critic) at EP2, and
 two steps of every other advantage estimator under torchrun. Real vLLM rollouts throughout."""
 
+import contextlib
+import functools
 import json
 import math
 import os
@@ -18,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.launch import ROOT, kill_tree, last_json, load_script, ray_pids, run
+from tests.launch import ROOT, kill_tree, last_json, load_script, one_rank_env, ray_pids, run, two_at_a_time
 from tests.learning import assert_heldout_rises, assert_learned
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -36,12 +38,6 @@ def _args(demo_inputs, run_dir, *extra):
     return ("--config", "configs/demo_cpu.yaml", f"model.hf_dir={demo_inputs / 'model'}",
             f"model.megatron_dir={demo_inputs / 'megatron'}",
             f"data.path={demo_inputs / 'train.jsonl'}", f"run_dir={run_dir}", "steps=2", *extra)
-
-
-def _one_rank():
-    """A world of one without torchrun: the script runs the loop in this process."""
-    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": "29533"}
 
 
 def _check_steps(steps, critic: bool, rewards_in_unit: bool = True, replayed: bool = True):
@@ -190,16 +186,43 @@ MULTI_TURN_AT = {"reinforce_plus_plus": ("layout.world_size=1",),
                  "grpo": ("layout.world_size=2", "layout.tp=2", "layout.rollout_tp=2")}
 
 
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_every_estimator_runs_two_steps(demo_inputs, tmp_path, estimator):
-    run_dir = tmp_path / "run"
+def _estimator_run(demo_inputs, run_dir, estimator):
     layout = MULTI_TURN_AT.get(estimator, ("layout.world_size=1",))
     multi_turn = MULTI_TURN if estimator in MULTI_TURN_AT else ()
     ranks = 2 if "layout.world_size=2" in layout else 1
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, f"algo.advantage={estimator}", *layout,
                                            "layout.ep=1", *multi_turn, *NO_CHECKPOINT),
-        nproc=ranks, timeout=900, env={**(_one_rank() if ranks == 1 else {}), "PYTHONPATH": ROOT})
-    if multi_turn:
+        nproc=ranks, timeout=900, env={**(one_rank_env() if ranks == 1 else {}), "PYTHONPATH": ROOT})
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(request, demo_inputs, tmp_path_factory):
+    """{test name: Future of its run folder} for this module's one-rank training runs of the
+    selected tests, launched two at a time (tests/launch.two_at_a_time), longest first, when the
+    first test that reads them starts: about half their one-after-the-other time."""
+    root = tmp_path_factory.mktemp("one_rank_runs")
+    launches = {
+        "test_deepseek_v3_demo_reward_rises": lambda: _deepseek_v3_demo_run(root / "deepseek_v3"),
+        "test_demo_reward_rises": lambda: _demo_run(demo_inputs, root / "demo"),
+        # with its judge's server (another ~30 s of one process) started within
+        "test_plugins_verl_data_and_mixed_rewards_plug_into_the_loop":
+            lambda: _plugins_run(demo_inputs, root / "plugins"),
+        **{f"test_every_estimator_runs_two_steps[{estimator}]":
+           functools.partial(_estimator_run, demo_inputs, root / estimator, estimator)
+           for estimator in ("reinforce_plus_plus", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")},
+        "test_dynamic_sampling_trains_on_informative_groups":
+            lambda: _dynamic_sampling_run(demo_inputs, root / "dynamic_sampling"),
+    }
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    return two_at_a_time({name: call for name, call in launches.items() if name in selected})
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_every_estimator_runs_two_steps(request, one_rank_runs, demo_inputs, tmp_path, estimator):
+    paired = one_rank_runs.get(request.node.name)
+    run_dir = paired.result() if paired else _estimator_run(demo_inputs, tmp_path / "run", estimator)
+    if estimator in MULTI_TURN_AT:
         _check_multi_turn(_steps(run_dir))
     else:
         _check_steps(_steps(run_dir), critic=False)
@@ -222,13 +245,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def judge_endpoint(demo_inputs, tmp_path):
-    """A real vLLM OpenAI-compatible server with the demo model as the judge; its base URL."""
+@contextlib.contextmanager
+def _judge_endpoint(model_dir, log_path):
+    """A real vLLM OpenAI-compatible server with `model_dir` as the judge; its base URL."""
     port = _free_port()
-    log = open(tmp_path / "judge_server.log", "w")
+    log = open(log_path, "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(demo_inputs / "model"),
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
          "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
          "--served-model-name", "judge"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
@@ -240,8 +263,7 @@ def judge_endpoint(demo_inputs, tmp_path):
                 urllib.request.urlopen(f"{url}/models", timeout=5).close()
                 break
             except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, \
-                    (tmp_path / "judge_server.log").read_text()[-3000:]
+                assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
                 time.sleep(0.5)
         yield url
     finally:
@@ -265,7 +287,31 @@ def _reward_model(demo_inputs, out):
     return out
 
 
-def test_plugins_verl_data_and_mixed_rewards_plug_into_the_loop(demo_inputs, tmp_path, judge_endpoint):
+# The terms of the plugins run's reward: a verl-style function, a reward model, a judge.
+PLUGIN_TERMS = ("tests.verl_rewards:compute_score", "rm:{root}/rm", "judge:{root}/judge.yaml")
+
+
+def _plugins_run(demo_inputs, root):
+    """The plugins test's run in `root` (the judge's config in root/judge.yaml, its verdicts in
+    root/verdicts.jsonl), its judge served while it runs."""
+    root.mkdir()
+    verl_data = _as_verl_parquet(demo_inputs / "train.jsonl", root / "train.parquet")
+    _reward_model(demo_inputs, root / "rm")
+    with _judge_endpoint(demo_inputs / "model", root / "judge_server.log") as url:
+        judge = {"url": url, "model": "judge", "template": "{question}", "max_tokens": 4,
+                 "scale": 0.1, "log_path": str(root / "verdicts.jsonl")}
+        (root / "judge.yaml").write_text(json.dumps(judge))
+        function, model, judged = (term.format(root=root) for term in PLUGIN_TERMS)
+        run("scripts/train_ppo_moe.py", *_args(demo_inputs, root / "run",
+                                               "generation.producer=tests.producers:first_token",
+                                               f"algo.reward={function} + 0.5*{model} + 0.25*{judged}",
+                                               f"data.path={verl_data}", "algo.advantage=grpo",
+                                               "layout.world_size=1", "layout.ep=1", *NO_CHECKPOINT),
+            nproc=1, timeout=900, env={**one_rank_env(), "PYTHONPATH": ROOT})
+    return root
+
+
+def test_plugins_verl_data_and_mixed_rewards_plug_into_the_loop(one_rank_runs):
     """generation.producer names a test-only producer (tests/producers.py: completions cut to
     their first token) and algo.reward sums a reward module written for verl (a dict with extra
     fields), a reward model (rm:PATH) and a judge behind a real vLLM endpoint (judge:CONFIG), on a
@@ -274,21 +320,10 @@ def test_plugins_verl_data_and_mixed_rewards_plug_into_the_loop(demo_inputs, tmp
     logged."""
     from megarl.rewards.judge import JudgeConfig, verdict_score
 
-    run_dir = tmp_path / "run"
-    verl_data = _as_verl_parquet(demo_inputs / "train.jsonl", tmp_path / "train.parquet")
-    rm = _reward_model(demo_inputs, tmp_path / "rm")
-    judge = {"url": judge_endpoint, "model": "judge", "template": "{question}", "max_tokens": 4,
-             "scale": 0.1, "log_path": str(tmp_path / "verdicts.jsonl")}
-    (tmp_path / "judge.yaml").write_text(json.dumps(judge))
-    function, model = "tests.verl_rewards:compute_score", f"rm:{rm}"
-    judged = f"judge:{tmp_path / 'judge.yaml'}"
-    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir,
-                                           "generation.producer=tests.producers:first_token",
-                                           f"algo.reward={function} + 0.5*{model} + 0.25*{judged}",
-                                           f"data.path={verl_data}", "algo.advantage=grpo",
-                                           "layout.world_size=1", "layout.ep=1", *NO_CHECKPOINT),
-        nproc=1, timeout=900, env={**_one_rank(), "PYTHONPATH": ROOT})
-    steps = _steps(run_dir)
+    root = one_rank_runs["test_plugins_verl_data_and_mixed_rewards_plug_into_the_loop"].result()
+    judge = json.loads((root / "judge.yaml").read_text())
+    function, model, judged = (term.format(root=root) for term in PLUGIN_TERMS)
+    steps = _steps(root / "run")
     _check_steps(steps, critic=False, rewards_in_unit=False)  # the reward model's scores are any number
     # The demo's completions are 2-3 tokens; every trained response here is exactly one.
     assert all(s["response/length_mean"] == 1.0 and s["response/truncated"] == 128 for s in steps)
@@ -306,13 +341,16 @@ def test_plugins_verl_data_and_mixed_rewards_plug_into_the_loop(demo_inputs, tmp
     assert sum(s["reward/judge_parsed_mean"] for s in steps) / len(steps) == pytest.approx(parsed)
 
 
-def test_dynamic_sampling_trains_on_informative_groups(demo_inputs, tmp_path):
-    run_dir = tmp_path / "run"
+def _dynamic_sampling_run(demo_inputs, run_dir):
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "algo.advantage=grpo",
                                            "algo.dynamic_sampling_rounds=3", "layout.world_size=1",
                                            "layout.ep=1", "data.prompts_per_step=8", *NO_CHECKPOINT),
-        nproc=1, timeout=900, env=_one_rank())
-    steps = _steps(run_dir)
+        nproc=1, timeout=900, env=one_rank_env())
+    return run_dir
+
+
+def test_dynamic_sampling_trains_on_informative_groups(one_rank_runs):
+    steps = _steps(one_rank_runs["test_dynamic_sampling_trains_on_informative_groups"].result())
     _check_steps(steps, critic=False)
     for s in steps:
         assert 1 <= s["dynamic_sampling/rounds"] <= 4
@@ -543,7 +581,15 @@ def test_killed_driver_does_not_break_the_next_run(after_a_killed_driver):
         time.sleep(1)
 
 
-def test_demo_reward_rises(demo_inputs, tmp_path):
+def _demo_run(demo_inputs, run_dir):
+    held_out = f"eval.sets.heldout.path={demo_inputs / 'heldout.jsonl'}"
+    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "steps=30", "layout.world_size=1",
+                                           "layout.ep=1", held_out, *NO_CHECKPOINT),
+        nproc=1, timeout=900, env=one_rank_env())
+    return run_dir
+
+
+def test_demo_reward_rises(demo_inputs, one_rank_runs):
     """The demo task is learned, not recalled: 30 steps of configs/demo_cpu.yaml's PPO (GAE +
     critic, 32 prompts x 4 samples a step) at world size 1 without torchrun raise the greedy
     accuracy on the demo's 40 held-out additions (heldout.jsonl: none is a training prompt),
@@ -551,18 +597,24 @@ def test_demo_reward_rises(demo_inputs, tmp_path):
     0-4 (prepare_demo.py --seed and the run's seed alike; 0 is this run and repeats exactly) it rose
     0.075, 0.075, 0.175, 0.150, 0.225 (docs/PERFORMANCE.md, "Held-out accuracy of the demo"); a
     policy that does not move answers the same (learning off: rise 0.000)."""
-    run_dir = tmp_path / "run"
-    held_out = f"eval.sets.heldout.path={demo_inputs / 'heldout.jsonl'}"
-    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "steps=30", "layout.world_size=1",
-                                           "layout.ep=1", held_out, *NO_CHECKPOINT),
-        nproc=1, timeout=900, env=_one_rank())
+    run_dir = one_rank_runs["test_demo_reward_rises"].result()
     assert_heldout_rises(_steps(run_dir), 30, min_rise=0.05)
     trained = {json.loads(line)["prompt"] for line in open(demo_inputs / "train.jsonl")}
     held = [json.loads(line)["prompt"] for line in open(demo_inputs / "heldout.jsonl")]
     assert len(set(held)) == 40 and not trained & set(held), "a held-out addition is a training prompt"
 
 
-def test_deepseek_v3_demo_reward_rises(tmp_path):
+def _deepseek_v3_demo_run(root):
+    inputs, run_dir = root / "inputs", root / "run"
+    run("scripts/prepare_demo.py", "--out", str(inputs), "--prompts", "200", "--model", "deepseek_v3",
+        "--max-operand", "4", "--heldout", "0", "--sft-steps", "8")
+    run("scripts/train_ppo_moe.py", *_args(inputs, run_dir, "steps=20", "layout.world_size=1",
+                                           "layout.ep=1", "data.prompts_per_step=16", *NO_CHECKPOINT),
+        nproc=1, timeout=900, env=one_rank_env())
+    return run_dir
+
+
+def test_deepseek_v3_demo_reward_rises(one_rank_runs):
     """The demo task learned by a tiny DeepSeek-V3-style model (MLA with YaRN, sigmoid routing
     with an expert bias that training updates and syncs to vLLM, group-limited top-k, shared
     experts, a dense first layer, an MTP layer carried along): scripts/prepare_demo.py --model
@@ -581,13 +633,7 @@ def test_deepseek_v3_demo_reward_rises(tmp_path):
     150 warm-start steps, 108 s more here) this model's held-out accuracy moved +0.175, +0.025,
     -0.050 over seeds 0-2 in these 20 steps, too little to check (docs/PERFORMANCE.md, "Held-out
     accuracy of the demo")."""
-    inputs, run_dir = tmp_path / "inputs", tmp_path / "run"
-    run("scripts/prepare_demo.py", "--out", str(inputs), "--prompts", "200", "--model", "deepseek_v3",
-        "--max-operand", "4", "--heldout", "0", "--sft-steps", "8")
-    run("scripts/train_ppo_moe.py", *_args(inputs, run_dir, "steps=20", "layout.world_size=1",
-                                           "layout.ep=1", "data.prompts_per_step=16", *NO_CHECKPOINT),
-        nproc=1, timeout=900, env=_one_rank())
-    steps = _steps(run_dir)
+    steps = _steps(one_rank_runs["test_deepseek_v3_demo_reward_rises"].result())
     assert_learned(steps, 20, last=5, min_rise=0.05, min_kl=0.05)
     # vLLM's CPU MLA is not shown exact on every shape (docs/PERFORMANCE.md, "vLLM's CPU MLA": 8.1e-6 from
     # the actor on this model after a sync); through training it stays close to the actor's.
