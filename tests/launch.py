@@ -48,8 +48,9 @@ def two_at_a_time(calls: dict) -> dict:
     """{name: Future} of `calls` ({name: a function of no arguments}) run two at a time in their
     order (list the longest first), all ended when this returns; .result() gives what each
     returned or raises what it raised, so a failed launch fails its own test. For one-rank
-    launches: vLLM gives a one-rank run one torch thread, so two of them side by side take the 2
-    cores (31 s against 30 s alone here); launches of more ranks slow each other down instead."""
+    launches: vLLM gives a one-rank run one torch thread, so two of them side by side share the 2
+    cores (each took about 1.45x its time alone here, so a pair ends sooner than the two in turn);
+    launches of more ranks slow each other down instead."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pair") as pool:
         return {name: pool.submit(call) for name, call in calls.items()}
 
@@ -57,13 +58,10 @@ def two_at_a_time(calls: dict) -> dict:
 def one_rank_env() -> dict:
     """A world of one without torchrun (the script runs the loop in its own process), on a port of
     its own so that two such runs can be side by side."""
-    import socket
+    from megarl.parallel_state.megatron_groups import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port)}
+            "MASTER_PORT": str(free_port())}
 
 
 def finish(*started: concurrent.futures.Future) -> list:

@@ -15,7 +15,7 @@ import pytest
 from megarl.rollout.chat_insert import assistant_close, inserted_text
 from megarl.rollout.tool_calls import ToolCall, hermes
 from megarl.rollout.tools import calculator, python, schema_of
-from tests.launch import ROOT, last_json, run, start
+from tests.launch import ROOT, last_json, one_rank_env, run, start
 from tests.scripted_agent import PIECES, make_scripted_agent
 
 # The tests that run the tool demo, on the inputs tool_demo_inputs makes once for both.
@@ -262,11 +262,9 @@ def test_tool_demo_learns_to_call_the_calculator(tool_demo_inputs, tmp_path):
     step, the frozen run drifted from 21 to 74.5 calls, and seeds 0-3 trained reached 105.5-122.)"""
     (inputs, prepared), run_dir = tool_demo_inputs, tmp_path / "run"
     prepared.result()
-    one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": "29537"}  # a world of one without torchrun: the loop in the script's process
     run("scripts/train_ppo_moe.py", "--config", "configs/demo_tools_cpu.yaml",
         f"model.hf_dir={inputs / 'model'}", f"data.path={inputs / 'train.jsonl'}", f"run_dir={run_dir}",
-        "steps=6", "checkpoint.export_hf=false", timeout=900, env=one_rank)
+        "steps=6", "checkpoint.export_hf=false", timeout=900, env=one_rank_env())
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
     calls, rewards = [s["agent/tool_calls"] for s in steps], [s["reward/mean"] for s in steps]

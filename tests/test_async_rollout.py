@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from tests.launch import ROOT, finish, run, start
+from tests.launch import ROOT, finish, one_rank_env, run, start
 from tests.learning import assert_learned
 
 SCRIPT = "scripts/train_ppo_moe.py"
@@ -100,8 +100,7 @@ def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tm
     numbers the colocated ones give (the same weights and seeds), at the start (step 0's row,
     which comes once the rollout leader has scored it) and after the last step."""
     colocated, disaggregated = tmp_path / "colocated", tmp_path / "disaggregated"
-    one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": "29541", "OMP_NUM_THREADS": "1"}  # as torchrun sets it
+    one_rank = {**one_rank_env(), "OMP_NUM_THREADS": "1"}  # as torchrun sets it
     # The two runs at once: most of a 2-step run is start-up, and either one alone leaves a core idle.
     command = [sys.executable, os.path.join(ROOT, SCRIPT),
                *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *DYNAMIC, *_held_out(tail_inputs, 8))]

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from megarl.parallel_state.megatron_groups import free_port
 from tests.launch import ROOT, kill_tree, last_json, load_script, one_rank_env, ray_pids, run, two_at_a_time
 from tests.learning import assert_heldout_rises, assert_learned
 
@@ -239,16 +239,10 @@ def _as_verl_parquet(jsonl, out):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _judge_endpoint(model_dir, log_path):
     """A real vLLM OpenAI-compatible server with `model_dir` as the judge; its base URL."""
-    port = _free_port()
+    port = free_port()
     log = open(log_path, "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
