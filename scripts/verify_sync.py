@@ -92,6 +92,9 @@ def main():
                         help="write DIR/hf (the perturbed actor, HF format) and DIR/samples.json "
                              "(the samples generated after the sync)")
     args = parser.parse_args()
+    if args.push_after_steps < 0 or (args.push_after_steps and not args.routing):
+        parser.error(f"--push-after-steps {args.push_after_steps}: give a number of engine steps >= 1 "
+                     "together with --routing (it reports the routing replay across the push)")
 
     world = megatron_groups.init_distributed()
     dims = ParallelDims(world_size=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
@@ -135,7 +138,7 @@ def main():
         # what the engine's MoE gates compute in (fp32 unless --no-router-fp32)
         result["routing"]["engine_gate_dtypes"] = sorted(
             {str(t.dtype) for name, t in engine.live_weights().items() if name.endswith(".gate.weight")})
-    if args.routing and args.push_after_steps:
+    if args.push_after_steps:
         result["across_push"] = _across_push(chunks, arch, engine, mine, sampling, args)
     if args.export:
         verify.export_synced(chunks, arch, args.hf_dir, samples, args.export)

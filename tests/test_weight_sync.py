@@ -233,3 +233,10 @@ def test_a_killed_run_does_not_break_the_next(hf_models):
     assert any("cpushm" in name for name in os.listdir(vllm_cpu_fixes.SHM_DIR))
     result = last_json(run("scripts/verify_sync.py", *args, nproc=2, timeout=900))
     assert result["max_abs_logprob_diff"] <= 1e-4
+
+
+def test_a_push_without_routing_is_refused(hf_models):
+    proc = run("scripts/verify_sync.py", "--hf-dir", hf_models["glm4_moe"], "--push-after-steps", "3",
+               check=False)
+    assert proc.returncode == 2 and "--push-after-steps 3: give a number of engine steps >= 1 together " \
+                                   "with --routing" in proc.stderr, proc.stderr[-2000:]
