@@ -1,10 +1,15 @@
 """Start megarl scripts the way users do: plain python for one rank, torchrun for several."""
 
+import atexit
 import concurrent.futures
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,14 +22,66 @@ def run(script: str, *args: str, nproc: int = 1, timeout: int = 600,
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", path, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+    env = {**os.environ, **(env or {})}
+    if FRESH:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    else:
+        proc = _forked(cmd, path, args, nproc, timeout, env)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}"
             f"\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+# MEGARL_TEST_FRESH=1: every launch a fresh interpreter (python, torchrun), as users start them.
+# Otherwise run() forks them from tests/zygote.py, which paid the imports once.
+FRESH = os.environ.get("MEGARL_TEST_FRESH") == "1"
+_ZYGOTE = {}
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote_socket() -> str:
+    """The socket of this test session's zygote, started at the first launch."""
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE:
+            folder = tempfile.mkdtemp(prefix="megarl-zygote-")
+            path = os.path.join(folder, "socket")
+            proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"), path],
+                                    cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+            if proc.stdout.readline().strip() != "ready":
+                raise AssertionError(f"tests/zygote.py did not start: exit {proc.wait()}")
+            atexit.register(proc.kill)
+            _ZYGOTE.update(path=path, proc=proc)
+        return _ZYGOTE["path"]
+
+
+def _forked(cmd: list, path: str, args: tuple, nproc: int, timeout: int,
+            env: dict) -> subprocess.CompletedProcess:
+    """cmd's launch, its ranks forked by the zygote; what subprocess.run(cmd) would return."""
+    from megarl.parallel_state.megatron_groups import free_port
+
+    with tempfile.TemporaryDirectory(prefix="megarl-launch-") as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        request = dict(script=path, args=list(args), nproc=nproc, env=env, cwd=ROOT, stdout=out,
+                       stderr=err, port=free_port() if nproc > 1 else None)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(_zygote_socket())
+            connection.sendall(json.dumps(request).encode() + b"\n")
+            replies = connection.makefile("r")
+            launcher = json.loads(replies.readline())["pid"]
+            connection.settimeout(timeout)
+            try:
+                line = replies.readline()
+            except TimeoutError:
+                os.killpg(launcher, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(cmd, timeout) from None
+            if not line:
+                raise AssertionError(f"the zygote's launcher of {' '.join(cmd)} died")
+        with open(out) as stdout, open(err) as stderr:
+            return subprocess.CompletedProcess(cmd, json.loads(line)["returncode"], stdout.read(),
+                                               stderr.read())
 
 
 # What start() and in_background() began runs in these threads (each mostly waits on a process).
