@@ -1,4 +1,7 @@
-"""Start megarl scripts the way users do: plain python for one rank, torchrun for several."""
+"""Start megarl scripts as users do (plain python for one rank, torchrun for several), their
+processes forked from tests/zygote.py, which paid the imports once (MEGARL_TEST_FRESH=1: fresh
+interpreters, python and torchrun themselves). Launches that test the launchers (Slurm, Ray, kills)
+start their processes with subprocess directly."""
 
 import atexit
 import concurrent.futures
