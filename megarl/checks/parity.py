@@ -24,7 +24,7 @@ from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.actor.optimizer import OptimConfig
 from megarl.batch.rollout_batch import RolloutBatch
-from megarl.models import checkpoint
+from megarl.models import checkpoint, lora, peft_io
 from megarl.models.builder import build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf_config
 from megarl.models.hf_io import gather_hf_tensors
@@ -53,9 +53,10 @@ def scored_batch(tokens: torch.Tensor) -> RolloutBatch:
 
 
 def actor_run(chunks: List[torch.nn.Module], arch: ModelArch, tokens: torch.Tensor,
-              backward: bool, micro_batches: int) -> ParityResult:
+              backward: bool, micro_batches: int, adapters: bool = False) -> ParityResult:
     """The trainer's path on `tokens` [B, S] at the current layout, in `micro_batches` micro-batches
-    per data-parallel rank (see the module docstring for the gradient). Collective."""
+    per data-parallel rank (see the module docstring for the gradient); `adapters`: the gradients
+    of the LoRA adapters (PEFT names) instead of the model's. Collective."""
     # A plain optimizer leaves every rank its fully reduced gradients (a distributed one keeps a
     # shard); an infinite clip never rescales them. lr is irrelevant: the moved weights are unused.
     optim = OptimConfig(clip_grad=float("inf"), use_distributed_optimizer=False)
@@ -67,16 +68,23 @@ def actor_run(chunks: List[torch.nn.Module], arch: ModelArch, tokens: torch.Tens
     grads = {}
     if backward:
         actor.update(batch.with_fields(advantages=mask))
-        grads = gather_hf_tensors(chunks, arch, tensor_of=lambda p: p.main_grad)
+        main_grad = lambda p: p.main_grad  # noqa: E731
+        grads = (peft_io.gather(chunks, main_grad) if adapters
+                 else gather_hf_tensors(chunks, arch, tensor_of=main_grad))
     return ParityResult(logprobs=batch.old_logprobs, loss=loss, grads=grads)
 
 
-def hf_run(hf_dir: str, tokens: torch.Tensor, backward: bool) -> ParityResult:
-    """The reference: HF transformers, fp32, eager attention."""
+def hf_run(hf_dir: str, tokens: torch.Tensor, backward: bool, adapter_dir: str = None) -> ParityResult:
+    """The reference: HF transformers, fp32, eager attention; with `adapter_dir`, PEFT's LoRA
+    model on it, and the gradients are the adapters' (PEFT's saved names)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation="eager")
+    if adapter_dir:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
     model.train(backward)
     with torch.set_grad_enabled(backward):
         every = torch.log_softmax(model(tokens).logits.float(), dim=-1)  # [B, S, V]
@@ -85,17 +93,20 @@ def hf_run(hf_dir: str, tokens: torch.Tensor, backward: bool) -> ParityResult:
     grads = {}
     if backward:
         loss.backward()
-        grads = _hub_named(model, {n: p.grad for n, p in model.named_parameters()})
+        named = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        grads = ({n.replace(".default.", "."): g for n, g in named.items()} if adapter_dir
+                 else _hub_named(model, named))
     logprobs = torch.nn.functional.pad(picked.detach(), (1, 0))  # [B, S], as ParityResult.logprobs
     return ParityResult(logprobs=logprobs, loss=float(loss.detach()), grads=grads)
 
 
 @functools.lru_cache(maxsize=16)
-def _hf_reference(hf_dir: str, vocab_size: int, batch: int, seq: int, backward: bool) -> ParityResult:
+def _hf_reference(hf_dir: str, vocab_size: int, batch: int, seq: int, backward: bool,
+                  adapter_dir: str = None) -> ParityResult:
     """hf_run on fixed_tokens, kept per process (a parity worker checks each of its checkpoints
     at many layouts, and the reference does not depend on the layout). Tiny models only: each
     entry holds a full set of gradients."""
-    return hf_run(hf_dir, fixed_tokens(vocab_size, batch, seq), backward)
+    return hf_run(hf_dir, fixed_tokens(vocab_size, batch, seq), backward, adapter_dir)
 
 
 @torch.no_grad()
@@ -111,15 +122,20 @@ def _hub_named(model, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tenso
 
 
 def check_checkpoint(hf_dir: str, megatron_dir: str, dims: ParallelDims, grads: bool,
-                     batch: int = 4, seq: int = 32, micro_batches: int = 2):
-    """Load `megatron_dir` at the current layout and compare with HF transformers on `hf_dir`.
-    Collective; every rank returns the same (summary dict, our ParityResult)."""
+                     batch: int = 4, seq: int = 32, micro_batches: int = 2, adapter_dir: str = None):
+    """Load `megatron_dir` at the current layout and compare with HF transformers on `hf_dir`;
+    with `adapter_dir` (a PEFT LoRA folder), both carry its adapters and the gradients compared
+    are the adapters'. Collective; every rank returns the same (summary dict, our ParityResult)."""
     arch = arch_from_hf_config(checkpoint.read_model_file(megatron_dir)["hf_config"])
     chunks = build_model(arch, dims, perform_initialization=False)
     checkpoint.load(chunks, megatron_dir)
+    if adapter_dir:
+        lora.attach(chunks, arch, peft_io.read_config(adapter_dir, arch))
+        peft_io.load(chunks, adapter_dir)
     tokens = fixed_tokens(arch.vocab_size, batch, seq)
-    ours = actor_run(chunks, arch, tokens, backward=grads, micro_batches=micro_batches)
-    ref = _hf_reference(hf_dir, arch.vocab_size, batch, seq, grads)
+    ours = actor_run(chunks, arch, tokens, backward=grads, micro_batches=micro_batches,
+                     adapters=adapter_dir is not None)
+    ref = _hf_reference(hf_dir, arch.vocab_size, batch, seq, grads, adapter_dir)
     summary = {"layout": dims.describe(), "family": arch.family,
                "max_abs_logprob_diff": float((ours.logprobs.double() - ref.logprobs.double()).abs().max()),
                "loss": ours.loss, "hf_loss": ref.loss,

@@ -66,6 +66,12 @@ _TE_COLUMN = {"TEColumnParallelLinear", "TELayerNormColumnParallelLinear", "TECo
 _TE_ROW = {"TERowParallelLinear", "TERowParallelGroupedLinear"}
 
 
+def canonical_name(chunk_model, name: str) -> str:
+    """The canonical full-model name of a parameter (or module) name local to this rank's chunk."""
+    num_local = (chunk_model.config.num_moe_experts or 0) // megatron_groups.expert().size
+    return _canonical(chunk_model, name, num_local, megatron_groups.expert().rank)
+
+
 def _parallel_mode(module: torch.nn.Module) -> Optional[str]:
     """'column' or 'row' for TP-sharded modules (Megatron's, or its TE wrappers), None for
     replicated ones. Read from the module type, not from parameter attributes, which Megatron sets
@@ -122,6 +128,8 @@ def param_slots(chunks: List[torch.nn.Module]) -> List[Tuple[ParamSlot, torch.nn
                   for prefix, module in chunk.named_modules()
                   for pname, _ in module.named_parameters(recurse=False)}
         for name, param in chunk.named_parameters():
+            if ".lora." in name:  # LoRA adapters are not the model's weights (models/lora.py)
+                continue
             if ".experts." in name:
                 tp_rank, tp_size = (megatron_groups.expert_tensor().rank,
                                     megatron_groups.expert_tensor().size)

@@ -1,0 +1,227 @@
+"""LoRA adapters (megarl/models/lora.py, peft_io.py) against HF transformers + PEFT on the same base
+and adapters: log-probs (<= 1e-4 abs) and adapter gradients (<= 1e-4 relative) at single, TP2 (with
+sequence parallel), PP2, CP2, EP2 (expert adapters) and DeepSeek-V3's MLA; PEFT -> megarl -> PEFT
+bit-exact at each layout; and the refusals."""
+
+import concurrent.futures
+import functools
+import json
+import os
+
+import pytest
+import torch
+
+from tests.launch import start
+
+# model -> what PEFT adapts on it (its own names: target_modules, and target_parameters for the
+# fused routed experts of transformers 5). DeepSeek-V3: MLA's five projections and the experts.
+PEFT_TARGETS = {
+    "qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], None),
+    "qwen3_moe": (["q_proj", "k_proj", "v_proj", "o_proj"],
+                  ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "deepseek_v3": (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+                    ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+}
+LAYOUTS = {
+    # name: (world size, ParallelDims fields, models)
+    "single": (1, {}, list(PEFT_TARGETS)),
+    "tp2": (2, {"tp": 2}, ["qwen3"]),
+    "pp2": (2, {"pp": 2}, ["qwen3", "deepseek_v3"]),
+    "cp2": (2, {"cp": 2}, ["qwen3"]),
+    "ep2": (2, {"ep": 2}, ["qwen3_moe"]),
+    "tp2_ep2_etp1": (2, {"tp": 2, "ep": 2, "etp": 1}, ["qwen3_moe", "deepseek_v3"]),
+}
+CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
+
+
+def make_adapter(hf_dir: str, out: str, model: str, seed: int = 0) -> str:
+    """A PEFT LoRA folder on hf_dir with random A and B (init_lora_weights=False: a zero B would
+    hide every error in A's path and give A no gradient), saved by PEFT itself."""
+    import peft
+    import transformers
+
+    modules, parameters = PEFT_TARGETS[model]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=modules, target_parameters=parameters,
+        init_lora_weights=False))
+    adapted.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("peft")
+    return {model: make_adapter(hf_models[model], str(root / model), model) for model in PEFT_TARGETS}
+
+
+@pytest.fixture(scope="module")
+def results(hf_models, megatron_models, adapters, tmp_path_factory):
+    """results(layout)[model] from one launch per world size (both at once); the 2-rank launch also
+    records the expert-TP refusal."""
+    root = tmp_path_factory.mktemp("lora_parity")
+    layouts = {world: [[layout, fields, [[m, hf_models[m], megatron_models[m], adapters[m]] for m in models]]
+                       for layout, (size, fields, models) in LAYOUTS.items() if size == world]
+               for world in (1, 2)}
+    refusals = ["--refusals", json.dumps([megatron_models["qwen3_moe"], adapters["qwen3_moe"]])]
+    launches = {world: start("tests/workers/lora_parity.py", "--layouts", json.dumps(mine),
+                             "--out-dir", str(root), *(refusals if world == 2 else []), nproc=world,
+                             timeout=900) for world, mine in layouts.items()}
+    concurrent.futures.wait(launches.values())
+
+    @functools.lru_cache(maxsize=None)
+    def for_layout(layout):
+        world, _, models = LAYOUTS[layout]
+        launches[world].result()
+        return {m: torch.load(os.path.join(root, layout, f"{m}.pt")) for m in models}
+
+    for_layout.root = root
+    return for_layout
+
+
+@pytest.mark.parametrize("layout,model", CASES)
+def test_adapters_match_peft(results, layout, model):
+    got = results(layout)[model]
+    summary = got["summary"]
+    assert summary["max_abs_logprob_diff"] <= 1e-4, summary
+    assert summary["loss_rel_diff"] <= 1e-5, summary
+    assert summary["max_grad_rel_diff"] <= 1e-4, summary
+    assert all(".lora_A." in name or ".lora_B." in name for name in got["grads"])
+    base = results("single")[model]
+    assert set(got["grads"]) == set(base["grads"])
+
+
+@pytest.mark.parametrize("layout,model", CASES)
+def test_peft_round_trip_is_bit_exact(results, adapters, layout, model):
+    """PEFT -> megarl (cut for the layout) -> PEFT: the same tensors, bit for bit, and a config that
+    names the same modules and parameters."""
+    from safetensors.torch import load_file
+
+    results(layout)
+    saved = os.path.join(results.root, layout, f"{model}.peft")
+    ours, theirs = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (saved, adapters[model]))
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    with open(os.path.join(saved, "adapter_config.json")) as f, \
+            open(os.path.join(adapters[model], "adapter_config.json")) as g:
+        mine, peft_config = json.load(f), json.load(g)
+    assert (mine["r"], mine["lora_alpha"]) == (peft_config["r"], peft_config["lora_alpha"])
+    assert set(mine["target_parameters"] or []) == set(peft_config["target_parameters"] or [])
+
+
+def test_the_adapters_change_the_model(hf_models, adapters):
+    """The parity above is not vacuous: PEFT's model with these adapters differs from the base."""
+    from megarl.checks.parity import fixed_tokens, hf_run
+    from megarl.models.hf_config import load_arch
+
+    for model in PEFT_TARGETS:
+        tokens = fixed_tokens(load_arch(hf_models[model]).vocab_size, 2, 16)
+        with_adapters = hf_run(hf_models[model], tokens, False, adapters[model]).logprobs
+        base = hf_run(hf_models[model], tokens, False).logprobs
+        assert (with_adapters - base).abs().max() > 1e-2, model
+
+
+def test_a_saved_folder_loads_into_peft_as_trained(results, hf_models, adapters):
+    """What megarl writes is a PEFT folder PEFT itself loads, to the same model."""
+    from megarl.checks.parity import fixed_tokens, hf_run
+    from megarl.models.hf_config import load_arch
+
+    for model in ("qwen3", "qwen3_moe"):
+        tokens = fixed_tokens(load_arch(hf_models[model]).vocab_size, 2, 16)
+        layout = "tp2_ep2_etp1" if model == "qwen3_moe" else "tp2"
+        results(layout)
+        saved = os.path.join(results.root, layout, f"{model}.peft")
+        assert torch.equal(hf_run(hf_models[model], tokens, False, saved).logprobs,
+                           hf_run(hf_models[model], tokens, False, adapters[model]).logprobs)
+
+
+def test_expert_adapters_refuse_expert_tp(results):
+    results("tp2")
+    with open(os.path.join(results.root, "refusals.json")) as f:
+        refused = json.load(f)
+    assert "LoRA on experts needs expert TP 1 (layout.etp=1)" in refused["expert_tp"]
+
+
+def test_config_refuses_bad_values_by_name():
+    from megarl.models.lora import LoraConfig
+
+    with pytest.raises(ValueError, match="lora.rank=-1"):
+        LoraConfig(rank=-1)
+    with pytest.raises(ValueError, match=r"lora.targets=\['attention', 'mlp_fc1'\]: \['attention'\]"):
+        LoraConfig(rank=4, targets=("attention", "mlp_fc1"))
+    with pytest.raises(ValueError, match="lora.dropout=1.5"):
+        LoraConfig(rank=4, dropout=1.5)
+
+
+def test_a_kind_the_family_lacks_is_refused_naming_its_kinds(hf_models):
+    from megarl.models.hf_config import load_arch
+    from megarl.models.lora import LoraConfig, chosen_kinds, kinds_of
+
+    qwen3, deepseek = load_arch(hf_models["qwen3"]), load_arch(hf_models["deepseek_v3"])
+    assert set(kinds_of(qwen3)) == {"attention_qkv", "attention_proj", "mlp_fc1", "mlp_fc2"}
+    assert {"mla_q_down", "mla_q_up", "mla_kv_down", "mla_kv_up", "expert_fc1", "expert_fc2",
+            "shared_expert_fc1", "mlp_fc1"} <= set(kinds_of(deepseek))
+    assert "attention_qkv" not in kinds_of(deepseek)
+    with pytest.raises(ValueError, match=r"lora.targets \['expert_fc1'\]: qwen3 has no such modules"):
+        chosen_kinds(qwen3, LoraConfig(rank=4, targets=("expert_fc1",)))
+
+
+def test_expert_slices_follow_peft_s_own_delta():
+    """A routed expert's (A, B) cut from PEFT's fused-parameter adapter gives the delta PEFT's
+    ParamWrapper computes for that expert, and stacking the slices gives the tensors back."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from megarl.models.peft_io import _expert_slice, _stack_experts
+
+    experts, rank, out, inp = 3, 2, 5, 7
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(experts * rank, inp, generator=generator)
+    b = torch.randn(out, rank * experts, generator=generator)
+
+    class Holder:
+        num_experts, _did_swap_in_out_features = experts, True
+        lora_A = {"x": torch.nn.Linear(inp, experts * rank, bias=False)}
+        lora_B = {"x": torch.nn.Linear(experts * rank, out, bias=False)}
+        scaling = {"x": 1.0}
+
+        def get_param(self):
+            return torch.zeros(experts, out, inp)
+
+    holder = Holder()
+    holder.lora_A["x"].weight.data, holder.lora_B["x"].weight.data = a, b
+    theirs = ParamWrapper.get_delta_weight(holder, "x")  # [experts, out, in]
+    for e in range(experts):
+        mine = _expert_slice(b, "B", e, experts) @ _expert_slice(a, "A", e, experts)
+        assert torch.allclose(mine, theirs[e])
+    assert torch.equal(_stack_experts({e: _expert_slice(a, "A", e, experts) for e in range(experts)}, "A"), a)
+    assert torch.equal(_stack_experts({e: _expert_slice(b, "B", e, experts) for e in range(experts)}, "B"), b)
+
+
+def test_transformers_4_expert_adapters_are_refused(hf_models, tmp_path):
+    """Per-expert adapters (transformers 4's module layout) are named, with the way to convert."""
+    from safetensors.torch import save_file
+
+    from megarl.models.hf_config import load_arch
+    from megarl.models.peft_io import read_config
+
+    folder = tmp_path / "old"
+    folder.mkdir()
+    save_file({"base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight": torch.zeros(4, 8)},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                            "target_modules": ["gate_proj"]}))
+    with pytest.raises(ValueError, match="adapts one expert .transformers 4's layout."):
+        read_config(str(folder), load_arch(hf_models["qwen3_moe"]))
+
+
+def test_run_adapter_sizes_are_the_files(adapters, hf_models):
+    """The adapter folder's tensors are what PEFT would train: rank 4 per projection, and PEFT's own
+    widening of the fused gate_up when gate_proj and up_proj are targets (rank_pattern) is read
+    from the tensors."""
+    from megarl.models.hf_config import load_arch
+    from megarl.models.peft_io import read_config
+
+    config = read_config(adapters["qwen3_moe"], load_arch(hf_models["qwen3_moe"]))
+    assert config.rank == 4 and config.alpha == 8 and not config.kind_ranks
+    assert set(config.targets) == {"attention_qkv", "attention_proj", "expert_fc1", "expert_fc2"}

@@ -1,0 +1,74 @@
+"""torchrun worker: LoRA adapters from PEFT folders at several layouts of one world size. For each
+layout and model: save the adapters again as PEFT (OUT_DIR/LAYOUT/NAME.peft, before any update),
+then compare forward and adapter gradients with HF transformers + PEFT (megarl.checks.parity) and
+have rank 0 save the summary, loss and gradients to OUT_DIR/LAYOUT/NAME.pt. With --refusals, also
+record what attaching refuses (OUT_DIR/refusals.json)."""
+
+import argparse
+import json
+import os
+
+import torch
+
+from megarl.checks import parity
+from megarl.models import checkpoint, lora, peft_io
+from megarl.models.builder import build_model
+from megarl.models.hf_config import arch_from_hf_config
+from megarl.parallel_state import megatron_groups
+from megarl.parallel_state.dims import ParallelDims
+
+
+def _load(megatron_dir: str, adapter_dir: str, dims: ParallelDims):
+    arch = arch_from_hf_config(checkpoint.read_model_file(megatron_dir)["hf_config"])
+    chunks = build_model(arch, dims, perform_initialization=False)
+    checkpoint.load(chunks, megatron_dir)
+    config = peft_io.read_config(adapter_dir, arch)
+    lora.attach(chunks, arch, config)
+    return arch, chunks, config
+
+
+def _refusal(call) -> str:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", required=True,
+                        help="JSON list of [layout name, ParallelDims fields, [[name, hf_dir, "
+                             "megatron_dir, adapter_dir]]]")
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--refusals", help="JSON [megatron_dir, adapter_dir] of a MoE model: attach "
+                                           "at tp 2 with expert TP 2")
+    args = parser.parse_args()
+    world = megatron_groups.init_distributed()
+    for layout, fields, cases in json.loads(args.layouts):
+        dims = ParallelDims(world_size=world, **fields)
+        megatron_groups.initialize(dims)
+        out_dir = os.path.join(args.out_dir, layout)
+        os.makedirs(out_dir, exist_ok=True)
+        for name, hf_dir, megatron_dir, adapter_dir in cases:
+            arch, chunks, config = _load(megatron_dir, adapter_dir, dims)
+            peft_io.load(chunks, adapter_dir)
+            peft_io.save(chunks, arch, config, os.path.join(out_dir, f"{name}.peft"))
+            summary, ours = parity.check_checkpoint(hf_dir, megatron_dir, dims, grads=True,
+                                                    adapter_dir=adapter_dir)
+            if megatron_groups.is_rank0():
+                torch.save({"summary": summary, "loss": ours.loss, "grads": ours.grads,
+                            "logprobs": ours.logprobs}, os.path.join(out_dir, f"{name}.pt"))
+    if args.refusals:
+        megatron_dir, adapter_dir = json.loads(args.refusals)
+        dims = ParallelDims(world_size=world, tp=world)  # expert TP follows TP
+        megatron_groups.initialize(dims)
+        refused = {"expert_tp": _refusal(lambda: _load(megatron_dir, adapter_dir, dims))}
+        if megatron_groups.is_rank0():
+            with open(os.path.join(args.out_dir, "refusals.json"), "w") as f:
+                json.dump(refused, f)
+    megatron_groups.destroy()
+
+
+if __name__ == "__main__":
+    main()
