@@ -17,6 +17,10 @@ Cases (one JSON object each on stdout; logs on stderr; repeats interleaved, medi
                         rows right-padded to the batch's longest, micro-batches of
                         budget // L_max rows (the same tokens per micro-batch). Useful
                         (non-padding) tokens/s of each. Target: packed >= 1.5x padded.
+  lora_vs_full          Actor.update of the same batch with LoRA adapters of --lora-rank on every
+                        linear (a second copy of the model, base frozen) against full fine-tuning:
+                        tokens/s of each and the optimizer state each holds after its updates
+                        (TrainState.state_bytes). Target: LoRA's state <= 5% of full's.
 Does not measure rollouts or weight sync (bench_rollout.py, bench_sync.py).
 """
 
@@ -36,6 +40,7 @@ from paired_timing import compare, json_stdout  # bench/ is the script's directo
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UPDATE_OVERHEAD_TARGET = 0.10
 PACKING_SPEEDUP_TARGET = 1.5
+LORA_STATE_TARGET = 0.05
 
 
 
@@ -194,6 +199,7 @@ def main():
                              "threads wait for the slowest one, and other processes make that slowest "
                              "one arbitrarily late; one thread keeps the repeats within a few percent)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank in lora_vs_full")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the model's (its checkpoint's) dtype")
     parser.add_argument("--inputs", default=os.path.join(ROOT, "runs", "bench_train"))
@@ -276,7 +282,29 @@ def main():
             "padded_tokens_per_s": useful_tokens / times["padded_seconds"],
             "speedup": times["ratio"], "target": f"speedup >= {PACKING_SPEEDUP_TARGET}",
             "target_held": times["ratio"] >= PACKING_SPEEDUP_TARGET}), file=out)
+    lora_vs_full(args, dims, actor, batch, layout, useful_tokens, out)
     megatron_groups.destroy()
+
+
+def lora_vs_full(args, dims, actor, batch, layout: dict, useful_tokens: int, out) -> None:
+    from megarl.actor.actor import Actor
+    from megarl.models import lora
+
+    chunks, arch = make_model(args, dims)
+    config = lora.LoraConfig(rank=args.lora_rank)
+    lora.attach(chunks, arch, config)
+    adapted = Actor(chunks, arch, actor.config)
+    times = compare(*interleaved({"full": lambda: actor.update(batch), "lora": lambda: adapted.update(batch)},
+                                 args.repeats), "full", "lora")
+    full_bytes, lora_bytes = actor.state.state_bytes(), adapted.state.state_bytes()
+    if dist.get_rank() == 0:
+        print(json.dumps({
+            "case": "lora_vs_full", **layout, "lora_rank": config.rank, "tokens": useful_tokens,
+            "repeats": args.repeats, **times, "full_tokens_per_s": useful_tokens / times["full_seconds"],
+            "lora_tokens_per_s": useful_tokens / times["lora_seconds"],
+            "full_optimizer_state_bytes": full_bytes, "lora_optimizer_state_bytes": lora_bytes,
+            "state_ratio": lora_bytes / full_bytes, "target": f"state_ratio <= {LORA_STATE_TARGET}",
+            "target_held": lora_bytes / full_bytes <= LORA_STATE_TARGET}), file=out)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,11 @@ import torch
 
 from megarl.checks import weight_sync as verify
 from megarl.checks.loader_parity import loader_parity
+from megarl.models import peft_io
 from megarl.models.builder import build_model
 from megarl.models.hf_config import load_arch
 from megarl.models.hf_io import load_hf_weights
+from megarl.models.lora import LoraConfig
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import sync_weights
@@ -88,6 +90,9 @@ def main():
     parser.add_argument("--no-router-fp32", action="store_true",
                         help="MoE gates in the model's dtype in both actor and engine (default: fp32, "
                              "as model.router_fp32)")
+    parser.add_argument("--lora-init", default=None, metavar="PEFT_DIR",
+                        help="LoRA adapters from a PEFT folder on the perturbed actor: the sync sends "
+                             "the weights with them merged in, and vLLM must match the adapted actor")
     parser.add_argument("--export", default=None, metavar="DIR",
                         help="write DIR/hf (the perturbed actor, HF format) and DIR/samples.json "
                              "(the samples generated after the sync)")
@@ -105,6 +110,7 @@ def main():
     chunks = build_model(arch, dims, perform_initialization=False, **overrides)
     load_hf_weights(chunks, arch, args.hf_dir)
     verify.perturb(chunks, arch, args.perturb, args.seed)
+    peft_io.start(chunks, arch, peft_io.run_config(LoraConfig(), args.lora_init, arch), args.lora_init)
 
     engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, rollout_ep=args.rollout_ep,
                         dtype=arch.dtype, seed=args.seed, return_routing=args.routing,

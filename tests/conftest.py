@@ -54,12 +54,14 @@ TIERS = {
                                      "test_travel_size_sums_the_wheels_and_refuses_over_the_limit": UNIT}),
     "test_gpu_smoke": E2E,  # tests/gpu/: skipped without CUDA (tests/gpu/conftest.py)
     "test_hf_config": UNIT,
-    # the parity and round-trip launches (one per world size); the rest reads files in this process
-    "test_lora": (DISTRIBUTED, {name: UNIT for name in (
+    # the parity and round-trip launches (one per world size); the syncs into vLLM; the rest reads
+    # files in this process
+    "test_lora": (DISTRIBUTED, {"test_vllm_generates_with_the_adapters_merged_in": E2E, **{
+        name: UNIT for name in (
         "test_the_adapters_change_the_model", "test_config_refuses_bad_values_by_name",
         "test_a_kind_the_family_lacks_is_refused_naming_its_kinds",
         "test_expert_slices_follow_peft_s_own_delta", "test_transformers_4_expert_adapters_are_refused",
-        "test_run_adapter_sizes_are_the_files")}),
+        "test_run_adapter_sizes_are_the_files")}}),
     # the export's receives on the links' device; one live export at PP2 on two gloo ranks
     "test_hf_export": (UNIT, {"test_a_live_export_with_direct_slabs_receives_only_on_the_links_device":
                               DISTRIBUTED}),

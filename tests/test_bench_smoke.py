@@ -110,11 +110,13 @@ def test_bench_rollout(one_process):
 
 def test_bench_train(one_process):
     cases = _by_case(one_process("test_bench_train"))
-    assert set(cases) == {"actor_update_vs_bare", "packed_vs_padded"}
+    assert set(cases) == {"actor_update_vs_bare", "packed_vs_padded", "lora_vs_full"}
     assert cases["actor_update_vs_bare"]["tokens"] > 0
     packed = cases["packed_vs_padded"]
     assert 0 < packed["useful_tokens"] < packed["padded_tokens"], packed  # lengths are spread
     assert packed["packed_seconds"] > 0 and packed["padded_seconds"] > 0, packed
+    adapted = cases["lora_vs_full"]  # rank 16 on a 128-wide model: the adapters are no small share
+    assert 0 < adapted["lora_optimizer_state_bytes"] < adapted["full_optimizer_state_bytes"], adapted
 
 
 def test_bench_step(demo_inputs, tmp_path):

@@ -34,6 +34,14 @@ LAYOUTS = {
 CASES = [(layout, model) for layout, (_, _, models) in LAYOUTS.items() for model in models]
 
 
+# The weight sync of an adapted actor (scripts/verify_sync.py --lora-init): name -> (world size, model,
+# flags). Routed-expert adapters into one engine; TP2 (sequence parallel) into rollout TP2.
+SYNC_CASES = {
+    "single_moe": (1, "qwen3_moe", []),
+    "tp2_into_rollout_tp2": (2, "qwen3", ["--tp", "2", "--rollout-tp", "2"]),
+}
+
+
 def make_adapter(hf_dir: str, out: str, model: str, seed: int = 0) -> str:
     """A PEFT LoRA folder on hf_dir with random A and B (init_lora_weights=False: a zero B would
     hide every error in A's path and give A no gradient), saved by PEFT itself."""
@@ -108,6 +116,17 @@ def test_peft_round_trip_is_bit_exact(results, adapters, layout, model):
         mine, peft_config = json.load(f), json.load(g)
     assert (mine["r"], mine["lora_alpha"]) == (peft_config["r"], peft_config["lora_alpha"])
     assert set(mine["target_parameters"] or []) == set(peft_config["target_parameters"] or [])
+
+
+@pytest.mark.parametrize("case", list(SYNC_CASES))
+def test_vllm_generates_with_the_adapters_merged_in(case, verified_sync, adapters):
+    """After a sync of the perturbed, adapted actor, vLLM's log-probs of its own samples equal the
+    adapted actor's: each piece the transport sends is W + scaling * B @ A of its shard."""
+    world, model, flags = SYNC_CASES[case]
+    result = verified_sync(world, model, ["--lora-init", adapters[model], *flags])
+    assert result["max_abs_logprob_diff"] <= 1e-4, result
+    assert result["max_abs_logprob_diff_before_sync"] >= 0.05, result
+    assert result["params_synced"] == result["params_expected"] > 0, result
 
 
 def test_the_adapters_change_the_model(hf_models, adapters):

@@ -13,6 +13,7 @@ from megarl.algos.aggregation import AGGREGATIONS
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.algos.policy_losses import DEFAULT_AGGREGATION, POLICY_LOSSES
 from megarl.algos.rollout_correction import PRESETS, Correction
+from megarl.models.lora import LoraConfig
 from megarl.models.megatron_config import RecomputeConfig
 
 NORMED = "seq-mean-token-sum-norm"  # the aggregation that needs norm_tokens
@@ -106,6 +107,9 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
+    # LoRA adapters on the policy (rank 0: full fine-tuning); model.lora_init starts them from a
+    # PEFT folder
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
         pick(POLICY_LOSSES, self.policy_loss, "policy_loss")

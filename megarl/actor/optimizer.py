@@ -210,6 +210,16 @@ class TrainState:
             self.model, use_gloo_process_groups=False)
         self.scheduler = lr_scheduler(self.optimizer, config)
 
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer state this rank holds (Adam's moments, made at the first step):
+        what LoRA shrinks to the adapters'."""
+        total = 0
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for state in optimizer.optimizer.state.values():
+                total += sum(t.numel() * t.element_size() for t in state.values()
+                             if torch.is_tensor(t) and t.dim() > 0)
+        return total
+
     def train_mode(self, training: bool) -> None:
         for chunk in self.model:
             chunk.train(training)

@@ -1,9 +1,9 @@
 """The reference policy as a weight set, not a second model.
 
-Owns a host copy of this rank's parameter shards and expert-bias buffers (pinned on GPU
-machines) and swapping it into the actor's own modules for a forward, then restoring the
-actor's weights bit for bit. Memory on the accelerator: nothing beyond the actor; on the host:
-one copy of this rank's shards.
+Owns a host copy of this rank's trained parameter shards (with LoRA: the adapters only) and
+expert-bias buffers (pinned on GPU machines) and swapping it into the actor's own modules for a
+forward, then restoring the actor's weights bit for bit. Memory on the accelerator: nothing beyond
+the actor; on the host: one copy of those shards.
 Does not own computing log-probs (actor.py).
 """
 
@@ -17,10 +17,11 @@ from megarl.parallel_state import device_choice
 
 
 def _named_parameters(chunks: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:
-    """Parameters and weight buffers: the reference routes with its own expert bias."""
+    """The parameters training changes (a frozen one, as LoRA's base, stays the reference's) and
+    the weight buffers: the reference routes with its own expert bias."""
     named = {}
     for i, chunk in enumerate(chunks):
-        named.update({f"{i}.{name}": p for name, p in chunk.named_parameters()})
+        named.update({f"{i}.{name}": p for name, p in chunk.named_parameters() if p.requires_grad})
         named.update({f"{i}.{name}": b for name, b in chunk.named_buffers() if WEIGHT_BUFFERS.search(name)})
     return named
 

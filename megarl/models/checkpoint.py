@@ -27,8 +27,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def _sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict:
     # Keys inside ShardedTensors are layout-independent (global layer ids); the dict nesting
-    # only pairs loaded values with chunks.
-    return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    # only pairs loaded values with chunks. LoRA adapters are not the model's: a run keeps them
+    # as a PEFT folder beside it (models/peft_io.py; Megatron would take their TP pieces for copies).
+    return {f"chunk{i}": {key: value for key, value in chunk.sharded_state_dict().items()
+                          if ".lora." not in key}
+            for i, chunk in enumerate(chunks)}
 
 
 def save(chunks: List[torch.nn.Module], out_dir: str, hf_config: Dict, hf_dir: str = None) -> None:
@@ -143,4 +146,5 @@ def load(chunks: List[torch.nn.Module], ckpt_dir: str) -> None:
         # state dict holds one `_extra_state`.
         values, own = state[f"chunk{i}"], chunk.state_dict()
         values.update({name: own[name] for name in kept.get(f"chunk{i}", {}) if name in own})
+        values.update({name: value for name, value in own.items() if ".lora." in name})  # not stored
         chunk.load_state_dict(values, strict=True)

@@ -11,7 +11,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from megarl.models import weight_tables
+from megarl.models import lora, weight_tables
 from megarl.models.hf_config import ModelArch
 from megarl.models.param_layout import weight_slots
 from megarl.parallel_state.links import Links
@@ -22,14 +22,17 @@ def local_pieces(chunks: List[torch.nn.Module], arch: ModelArch, rank: int,
                  role: str = "policy") -> Tuple[List[Piece], Dict[Tuple[str, int], torch.Tensor]]:
     """This rank's pieces and their tensors, keyed (canonical, tp_rank); `rank` is its rank in
     the sync's Links. A tied output layer (the last stage's copy of the embedding) is left out:
-    the embedding itself is sent. A rank without chunks (a rollout rank) holds none."""
+    the embedding itself is sent. An adapted linear's weight is sent with its LoRA adapters merged
+    in (lora.MergedWeight: computed as the transport reads it). A rank without chunks (a rollout
+    rank) holds none."""
     if not chunks:
         return [], {}
     pieces, tensors = [], {}
+    merged = lora.merged_weights(chunks)
     for slot, param in weight_slots(chunks):
         if weight_tables.entry_of(arch, slot.canonical, role).megatron != slot.canonical:
             continue
-        tensor = param.detach()
+        tensor = merged.get(id(param)) or param.detach()
         pieces.append(Piece(rank=rank, canonical=slot.canonical, tp_rank=slot.tp_rank,
                             tp_size=slot.tp_size, tp_dim=slot.tp_dim, glu=slot.glu,
                             shape=tuple(tensor.shape), dtype=str(tensor.dtype)))

@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 
 from megarl.models import checkpoint as model_checkpoint
+from megarl.models import peft_io
 from megarl.parallel_state import device_choice
 from megarl.trainer.config import RunConfig
 
 CHECKPOINTS = "checkpoints"
 TRAINER_FILE = "trainer.json"
+ADAPTERS = "actor_lora"  # the actor's LoRA adapters, a PEFT folder
 _NAME = re.compile(r"^step_(\d{6,})$")
 
 
@@ -112,6 +114,9 @@ def save(run, step: int, keep: int) -> str:
     dist.barrier()
     model_checkpoint.save(run.actor.state.chunks, os.path.join(partial, "actor"), run.hf_config,
                           hf_dir=config.model.hf_dir)
+    if run.adapters is not None:
+        peft_io.save(run.actor.state.chunks, run.arch, run.adapters, os.path.join(partial, ADAPTERS),
+                     config.model.hf_dir)
     if run.critic is not None:
         model_checkpoint.save(run.critic.state.chunks, os.path.join(partial, "critic"), run.hf_config)
     torch.save({"actor": _train_state(run.actor.state),
@@ -157,6 +162,11 @@ def read_trainer_file(path: str, config: RunConfig, hf_config: dict) -> dict:
         raise ValueError(f"checkpoint {path} was saved at layout {saved['layout']}, this run uses "
                          f"{asdict(config.layout)}; optimizer states resume at the same layout only "
                          "(the actor/ and critic/ weights load at any layout via model.megatron_dir)")
+    adapters = os.path.isdir(os.path.join(path, ADAPTERS))
+    if adapters != bool(config.actor.lora.rank or config.model.lora_init):
+        raise ValueError(f"checkpoint {path} {'has' if adapters else 'has no'} LoRA adapters ({ADAPTERS}/) "
+                         f"but this run {'trains none' if adapters else 'trains some'} (actor.lora, "
+                         "model.lora_init); resume with the adapters the checkpoint was trained with")
     if saved["critic"] != config.algo.uses_critic:
         raise ValueError(f"checkpoint {path} has critic={saved['critic']} but algo.advantage="
                          f"{config.algo.advantage!r} {'uses' if config.algo.uses_critic else 'has no'} "
@@ -168,6 +178,8 @@ def load(run, path: str) -> int:
     """Restore weights, optimizers, schedules, RNG and data position from `path`; returns its step."""
     saved = read_trainer_file(path, run.config, run.hf_config)
     model_checkpoint.load(run.actor.state.chunks, os.path.join(path, "actor"))
+    if run.adapters is not None:
+        peft_io.load(run.actor.state.chunks, os.path.join(path, ADAPTERS))
     if run.critic is not None:
         model_checkpoint.load(run.critic.state.chunks, os.path.join(path, "critic"))
     try:

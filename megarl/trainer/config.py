@@ -4,6 +4,7 @@ Sections that code below the trainer reads live beside it and are composed here:
 and async (megarl/rollout/config.py), actor, critic, eval (their packages' config.py).
 Does not own what runs (megarl/trainer/loop.py)."""
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Union
 
@@ -30,10 +31,16 @@ class ModelConfig:
     # auto: Transformer Engine's layer spec and kernels on a GPU when it imports; true: required;
     # false: Megatron's portable layer spec on CUDA too (said in the run's first lines).
     transformer_engine: Union[bool, str] = "auto"
+    # a PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) the actor's adapters
+    # start from; its rank, alpha and targets are the run's (actor.lora may repeat them)
+    lora_init: Optional[str] = None
 
     def __post_init__(self):
         if not self.hf_dir:
             raise ValueError("model.hf_dir is required (an HF checkpoint folder)")
+        if self.lora_init and not os.path.isfile(os.path.join(self.lora_init, "adapter_config.json")):
+            raise ValueError(f"model.lora_init={self.lora_init!r} is not a PEFT adapter folder (no "
+                             "adapter_config.json); give the folder PEFT's save_pretrained wrote")
         device_choice.te_setting(self.transformer_engine, device_choice.TE_KEY)
         if self.expert_bias_update_rate < 0:
             raise ValueError(f"model.expert_bias_update_rate={self.expert_bias_update_rate} must be "

@@ -29,9 +29,11 @@ from megarl.critic.reward_model import RewardModel
 from megarl.evaluation.eval_metrics import summary
 from megarl.evaluation.sets import HeldOut
 from megarl.models import checkpoint as model_checkpoint
+from megarl.models import peft_io
 from megarl.models.builder import build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.models.hf_io import load_hf_weights
+from megarl.models.lora import LoraConfig
 from megarl.parallel_state import device_memory, megatron_groups, roles
 from megarl.resharding.hf_export import export_hf
 from megarl.rewards.scorer import Scorer
@@ -86,6 +88,7 @@ class Run:
     source: RolloutSource
     sampler: PromptSampler  # the data position, saved in checkpoints
     device: str  # for MFU: the accelerator's name ("cpu" without one)
+    adapters: Optional[LoraConfig] = None  # the actor's LoRA adapters (None: full fine-tuning)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
     if config.engine_returns_routing and not arch.num_experts:
         raise ValueError(f"generation.return_routing / actor.router_replay=rollout need a MoE model; "
                          f"{arch.family} routes nothing: turn them off")
+    adapters = peft_io.run_config(config.actor.lora, config.model.lora_init, arch)
     resume_from = checkpoint.resolve(config.run_dir, resume)
     # Refuse checkpoints this run cannot use before anything is built.
     if resume_from:
@@ -129,6 +133,7 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
     actor_chunks = build_model(arch, dims, perform_initialization=False, recompute=config.actor.recompute,
                                **config.model.transformer_overrides())
     _load(actor_chunks, arch, config, "policy")
+    peft_io.start(actor_chunks, arch, adapters, config.model.lora_init)
     actor = Actor(actor_chunks, arch, config.actor_config)
     if config.actor.kl_loss_coeff or config.algo.kl_reward_coeff:
         actor.snapshot_reference()  # the initial weights, also when resuming
@@ -163,7 +168,7 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
         source = ColocatedRollouts(config, side.engine, side.producer, tokenizer, prompts.prompts, sampler,
                                    scorer, actor.state, [critic.state] if critic is not None else [],
                                    held_out)
-    run = Run(config, arch, hf_config, actor, critic, source, sampler, flops.device_name())
+    run = Run(config, arch, hf_config, actor, critic, source, sampler, flops.device_name(), adapters)
     done = checkpoint.load(run, resume_from) if resume_from else 0
     source.push_weights(actor_chunks, arch, version=done)
     if rank0:
@@ -212,7 +217,8 @@ def step(run: Run, number: int) -> StepResult:
                **rollouts.metrics,
                **flops.throughput_metrics(flops.step_flops(run.arch, phases), timer.seconds,
                                           config.layout.world_size, run.device),
-               "memory/peak_bytes": max_over_ranks(device_memory.peak_bytes())}
+               "memory/peak_bytes": max_over_ranks(device_memory.peak_bytes()),
+               "memory/actor_optimizer_state_bytes": max_over_ranks(actor.state.state_bytes())}
     return StepResult(metrics, replace(rollouts, collected=replace(rollouts.collected, batch=batch)))
 
 
@@ -285,9 +291,12 @@ def train(config: RunConfig, resume: Optional[str] = None) -> dict:
         if every and (number % every == 0 or number == config.steps):
             checkpoint.save(run, number, config.checkpoint.keep)
     log.close()
-    if config.checkpoint.export_hf:
+    if config.checkpoint.export_hf:  # with the adapters merged in, as the engine generates
         export_hf(run.actor.state.chunks, run.arch, run.hf_config, config.model.hf_dir,
                   os.path.join(config.run_dir, "hf"), say=console.say)
+    if run.adapters is not None:
+        peft_io.save(run.actor.state.chunks, run.arch, run.adapters, os.path.join(config.run_dir, "lora"),
+                     config.model.hf_dir)
     if log.enabled and result is not None:
         _report(run, log, result.rollouts)
     run.source.shutdown()
