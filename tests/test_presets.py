@@ -87,8 +87,8 @@ def check_preset(config: RunConfig, arch=None) -> ParallelDims:
 
 # The CPU demos and the task scripts/prepare_demo.py makes their inputs for (--task; the model is
 # its default, the demo's tiny Qwen3-MoE).
-DEMOS = {"demo_cpu.yaml": "addition", "demo_async_cpu.yaml": "addition", "demo_tools_cpu.yaml": "tools",
-         "demo_tools_async_cpu.yaml": "tools"}
+DEMOS = {"demo_cpu.yaml": "addition", "demo_async_cpu.yaml": "addition", "demo_lora_cpu.yaml": "addition",
+         "demo_tools_cpu.yaml": "tools", "demo_tools_async_cpu.yaml": "tools"}
 # Found by listing the folder, not by name: a config added to configs/ is preflighted here, or
 # fails here until it is.
 CONFIG_FILES = sorted(os.path.basename(path) for path in glob.glob(os.path.join(CONFIGS, "*.yaml")))
