@@ -124,6 +124,31 @@ def one_rank_env() -> dict:
             "MASTER_PORT": str(free_port())}
 
 
+def by_layout(script: str, layouts: dict, case_of, root: str, worlds, extra=lambda world: ()):
+    """for_layout(layout) -> {model: what the worker saved to ROOT/LAYOUT/MODEL.pt}, from one launch
+    of `script` per world size in `worlds`, all begun now (a one-rank launch leaves a core idle).
+    `layouts`: {name: (world size, ParallelDims fields, models)}; `case_of(model)`: the worker's
+    case row; `extra(world)`: more arguments. A failed launch fails only its own layouts' cases."""
+    import functools
+
+    import torch
+
+    mine = {world: [[layout, fields, [case_of(m) for m in models]]
+                    for layout, (size, fields, models) in layouts.items() if size == world]
+            for world in worlds}
+    launches = {world: start(script, "--layouts", json.dumps(cases), "--out-dir", str(root), *extra(world),
+                             nproc=world, timeout=900) for world, cases in mine.items()}
+    concurrent.futures.wait(launches.values())
+
+    @functools.lru_cache(maxsize=None)
+    def for_layout(layout):
+        world, _, models = layouts[layout]
+        launches[world].result()
+        return {m: torch.load(os.path.join(root, layout, f"{m}.pt")) for m in models}
+
+    return for_layout
+
+
 def finish(*started: concurrent.futures.Future) -> list:
     """What each started launch returned, in order; all are waited for before a failure is raised
     (none keeps running into the next test)."""

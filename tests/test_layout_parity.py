@@ -2,16 +2,10 @@
 log-probs (<= 1e-4 abs), loss and full-parameter gradients (<= 1e-5 relative, max-abs-diff
 over max-abs). Each world size is one torchrun launch that checks all of its layouts' models."""
 
-import concurrent.futures
-import functools
-import json
-import os
-
 import pytest
-import torch
 
 from tests.conftest import DEEPSEEK_MODELS, MODELS, MOE_MODELS, selected_params
-from tests.launch import run, start
+from tests.launch import by_layout, run
 
 TP_OK = [m for m in MODELS if m != "qwen2_gqa1"]  # one KV head cannot be split over tp=2
 # The DeepSeek-style families at the layouts their issue names (all 2-rank, so cheap); context
@@ -40,21 +34,10 @@ def results(request, hf_models, megatron_models, tmp_path_factory):
     every case compares with it): starting a launch takes longer here than checking a layout's
     models. The launches run at once (the one-rank launch would leave a core idle); a failed one
     fails only its own layouts' cases."""
+    worlds = {1} | {LAYOUTS[layout][0] for layout in selected_params(request, "layout")}
     root = tmp_path_factory.mktemp("parity")
-    layouts = {world: [[layout, fields, [[m, hf_models[m], megatron_models[m]] for m in models]]
-                       for layout, (size, fields, models) in LAYOUTS.items() if size == world]
-               for world in {1} | {LAYOUTS[layout][0] for layout in selected_params(request, "layout")}}
-    launches = {world: start("tests/workers/layout_parity.py", "--layouts", json.dumps(mine), "--out-dir",
-                             str(root), nproc=world, timeout=900) for world, mine in layouts.items()}
-    concurrent.futures.wait(launches.values())
-
-    @functools.lru_cache(maxsize=None)
-    def for_layout(layout):
-        world, _, models = LAYOUTS[layout]
-        launches[world].result()
-        return {m: torch.load(os.path.join(root, layout, f"{m}.pt")) for m in models}
-
-    return for_layout
+    return by_layout("tests/workers/layout_parity.py", LAYOUTS,
+                     lambda m: [m, hf_models[m], megatron_models[m]], root, worlds)
 
 
 def _rel(a, b):

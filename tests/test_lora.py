@@ -3,15 +3,13 @@ and adapters: log-probs (<= 1e-4 abs) and adapter gradients (<= 1e-4 relative) a
 sequence parallel), PP2, CP2, EP2 (expert adapters) and DeepSeek-V3's MLA; PEFT -> megarl -> PEFT
 bit-exact at each layout; and the refusals."""
 
-import concurrent.futures
-import functools
 import json
 import os
 
 import pytest
 import torch
 
-from tests.launch import start
+from tests.launch import by_layout
 
 # model -> what PEFT adapts on it (its own names: target_modules, and target_parameters for the
 # fused routed experts of transformers 5). DeepSeek-V3: MLA's five projections and the experts.
@@ -69,21 +67,10 @@ def results(hf_models, megatron_models, adapters, tmp_path_factory):
     """results(layout)[model] from one launch per world size (both at once); the 2-rank launch also
     records the expert-TP refusal."""
     root = tmp_path_factory.mktemp("lora_parity")
-    layouts = {world: [[layout, fields, [[m, hf_models[m], megatron_models[m], adapters[m]] for m in models]]
-                       for layout, (size, fields, models) in LAYOUTS.items() if size == world]
-               for world in (1, 2)}
-    refusals = ["--refusals", json.dumps([megatron_models["qwen3_moe"], adapters["qwen3_moe"]])]
-    launches = {world: start("tests/workers/lora_parity.py", "--layouts", json.dumps(mine),
-                             "--out-dir", str(root), *(refusals if world == 2 else []), nproc=world,
-                             timeout=900) for world, mine in layouts.items()}
-    concurrent.futures.wait(launches.values())
-
-    @functools.lru_cache(maxsize=None)
-    def for_layout(layout):
-        world, _, models = LAYOUTS[layout]
-        launches[world].result()
-        return {m: torch.load(os.path.join(root, layout, f"{m}.pt")) for m in models}
-
+    refusals = ["--lora-refusals", json.dumps([megatron_models["qwen3_moe"], adapters["qwen3_moe"]])]
+    for_layout = by_layout("tests/workers/layout_parity.py", LAYOUTS,
+                           lambda m: [m, hf_models[m], megatron_models[m], adapters[m]], root, (1, 2),
+                           lambda world: refusals if world == 2 else ())
     for_layout.root = root
     return for_layout
 
