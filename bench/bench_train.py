@@ -199,7 +199,8 @@ def main():
                              "threads wait for the slowest one, and other processes make that slowest "
                              "one arbitrarily late; one thread keeps the repeats within a few percent)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank in lora_vs_full")
+    parser.add_argument("--lora-rank", type=int, default=16,
+                        help="the adapters' rank in lora_vs_full (0: leave that case out)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the model's (its checkpoint's) dtype")
     parser.add_argument("--inputs", default=os.path.join(ROOT, "runs", "bench_train"))
@@ -282,14 +283,21 @@ def main():
             "padded_tokens_per_s": useful_tokens / times["padded_seconds"],
             "speedup": times["ratio"], "target": f"speedup >= {PACKING_SPEEDUP_TARGET}",
             "target_held": times["ratio"] >= PACKING_SPEEDUP_TARGET}), file=out)
-    lora_vs_full(args, dims, actor, batch, layout, useful_tokens, out)
+    if args.lora_rank:
+        lora_vs_full(args, dims, actor, batch, layout, useful_tokens, out)
     megatron_groups.destroy()
 
 
 def lora_vs_full(args, dims, actor, batch, layout: dict, useful_tokens: int, out) -> None:
     from megarl.actor.actor import Actor
     from megarl.models import lora
+    from megarl.parallel_state import device_choice
 
+    if device_choice.uses_transformer_engine():  # lora.attach refuses TE's fused norm-linears
+        if dist.get_rank() == 0:
+            print(json.dumps({"case": "lora_vs_full", **layout, "skipped": "LoRA runs on the portable "
+                              "spec: model.transformer_engine=false (README, LoRA)"}), file=out)
+        return
     chunks, arch = make_model(args, dims)
     config = lora.LoraConfig(rank=args.lora_rank)
     lora.attach(chunks, arch, config)

@@ -34,8 +34,8 @@ def _steps(run_dir):
         return [json.loads(line) for line in f]
 
 
-def _args(demo_inputs, run_dir, *extra):
-    return ("--config", "configs/demo_cpu.yaml", f"model.hf_dir={demo_inputs / 'model'}",
+def _args(demo_inputs, run_dir, *extra, config="configs/demo_cpu.yaml"):
+    return ("--config", config, f"model.hf_dir={demo_inputs / 'model'}",
             f"model.megatron_dir={demo_inputs / 'megatron'}",
             f"data.path={demo_inputs / 'train.jsonl'}", f"run_dir={run_dir}", "steps=2", *extra)
 
@@ -601,9 +601,9 @@ def test_demo_reward_rises(demo_inputs, one_rank_runs):
 
 def _lora_demo_run(demo_inputs, run_dir):
     held_out = f"eval.sets.heldout.path={demo_inputs / 'heldout.jsonl'}"
-    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "--config", "configs/demo_lora_cpu.yaml",
-                                           "steps=30", "layout.world_size=1", "layout.ep=1", held_out,
-                                           "checkpoint.every=0"),
+    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, "steps=30", "layout.world_size=1",
+                                           "layout.ep=1", held_out, "checkpoint.every=0",
+                                           config="configs/demo_lora_cpu.yaml"),
         nproc=1, timeout=900, env=one_rank_env())
     return run_dir
 

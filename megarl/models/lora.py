@@ -126,8 +126,9 @@ class LoraAdapter(torch.nn.Module):
         self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         for (short, hf), (out_full, in_full) in zip(hf_names.items(), self._full_shapes(base)):
             a, b = _peft_init(f"{hf}.{short}.{expert}", self.rank, out_full, in_full)
-            self.A[short] = torch.nn.Parameter(self.local(a, "A"))
-            self.B[short] = torch.nn.Parameter(self.local(b, "B"))
+            # in the base's dtype: a bf16 model's optimizer keeps fp32 main copies of both
+            self.A[short] = torch.nn.Parameter(self.local(a, "A").to(base.weight.dtype))
+            self.B[short] = torch.nn.Parameter(self.local(b, "B").to(base.weight.dtype))
         for which, params in (("A", self.A), ("B", self.B)):
             for param in params.values():
                 self._mark(param, self._split(which), kind, base)
