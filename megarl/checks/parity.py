@@ -24,7 +24,7 @@ from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.actor.optimizer import OptimConfig
 from megarl.batch.rollout_batch import RolloutBatch
-from megarl.models import checkpoint, lora, peft_io
+from megarl.models import checkpoint, peft_io
 from megarl.models.builder import build_model
 from megarl.models.hf_config import ModelArch, arch_from_hf_config
 from megarl.models.hf_io import gather_hf_tensors
@@ -130,8 +130,7 @@ def check_checkpoint(hf_dir: str, megatron_dir: str, dims: ParallelDims, grads: 
     chunks = build_model(arch, dims, perform_initialization=False)
     checkpoint.load(chunks, megatron_dir)
     if adapter_dir:
-        lora.attach(chunks, arch, peft_io.read_config(adapter_dir, arch))
-        peft_io.load(chunks, adapter_dir)
+        peft_io.start(chunks, arch, peft_io.read_config(adapter_dir, arch), adapter_dir)
     tokens = fixed_tokens(arch.vocab_size, batch, seq)
     ours = actor_run(chunks, arch, tokens, backward=grads, micro_batches=micro_batches,
                      adapters=adapter_dir is not None)

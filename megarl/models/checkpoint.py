@@ -18,6 +18,8 @@ from megatron.core.dist_checkpointing.dict_utils import extract_matching_values,
 from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
+from megarl.models.param_layout import is_adapter
+
 MODEL_FILE = "megarl_model.json"
 ASSETS_DIR = "hf_assets"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -30,7 +32,7 @@ def _sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict:
     # only pairs loaded values with chunks. LoRA adapters are not the model's: a run keeps them
     # as a PEFT folder beside it (models/peft_io.py; Megatron would take their TP pieces for copies).
     return {f"chunk{i}": {key: value for key, value in chunk.sharded_state_dict().items()
-                          if ".lora." not in key}
+                          if not is_adapter(key)}
             for i, chunk in enumerate(chunks)}
 
 
@@ -146,5 +148,5 @@ def load(chunks: List[torch.nn.Module], ckpt_dir: str) -> None:
         # state dict holds one `_extra_state`.
         values, own = state[f"chunk{i}"], chunk.state_dict()
         values.update({name: own[name] for name in kept.get(f"chunk{i}", {}) if name in own})
-        values.update({name: value for name, value in own.items() if ".lora." in name})  # not stored
+        values.update({name: value for name, value in own.items() if is_adapter(name)})  # not stored
         chunk.load_state_dict(values, strict=True)

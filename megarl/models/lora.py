@@ -14,7 +14,8 @@ the layout:
 A whole tensor that sees only this rank's share of the tokens (sequence parallel) gets a partial
 gradient; it carries Megatron's `sequence_parallel` mark so finalize_model_grads sums it over TP,
 as it does for the norms. The adapter is a child module `lora` of the base linear, added to its
-output by a forward hook, so the base's parameter names (checkpoints, sync) do not change.
+output by a forward hook, so the base's parameter names (checkpoints, sync) do not change (the
+adapters' own names hold ".lora.": param_layout.is_adapter).
 
 Initialization is PEFT's (A Kaiming-uniform, B zero), drawn per adapter from a generator seeded by
 its HF name, on the whole tensor before the cut: every layout starts from the same adapters.
@@ -131,7 +132,7 @@ class LoraAdapter(torch.nn.Module):
             self.B[short] = torch.nn.Parameter(self.local(b, "B").to(base.weight.dtype))
         for which, params in (("A", self.A), ("B", self.B)):
             for param in params.values():
-                self._mark(param, self._split(which), kind, base)
+                self._mark(param, self.split_dim(which), kind, base)
 
     def _full_shapes(self, base: torch.nn.Module) -> List[Tuple[int, int]]:
         """(out, in) of each HF projection, from the base's local weight and the layout."""
@@ -146,7 +147,7 @@ class LoraAdapter(torch.nn.Module):
         parts = len(self.hf_names)
         return [(out_local // parts * self.tp_size, in_local)] * parts
 
-    def _split(self, which: str) -> Optional[int]:
+    def split_dim(self, which: str) -> Optional[int]:
         """The dimension this rank's piece of A or B is cut along (None: whole)."""
         if self.tp_size == 1:
             return None
@@ -154,7 +155,7 @@ class LoraAdapter(torch.nn.Module):
 
     def local(self, full: torch.Tensor, which: str) -> torch.Tensor:
         """This rank's piece of a whole A or B."""
-        dim = self._split(which)
+        dim = self.split_dim(which)
         return full if dim is None else full.chunk(self.tp_size, dim)[self.tp_rank].clone()
 
     def _mark(self, param: torch.nn.Parameter, split: Optional[int], kind: Kind,
@@ -239,10 +240,10 @@ def chosen_kinds(arch: ModelArch, config: LoraConfig) -> Dict[str, Kind]:
     return {name: KINDS[name] for name in config.targets}
 
 
-def attach(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig) -> Dict[str, int]:
+def attach(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig) -> None:
     """Adapters on every target module of this rank's chunks, and every other parameter frozen
-    (no gradient: Megatron's DDP gives it no buffer and the optimizer no state). Returns
-    {kind: modules adapted on this rank}. Call before DDP and the optimizer are built."""
+    (no gradient: Megatron's DDP gives it no buffer and the optimizer no state). Call before DDP
+    and the optimizer are built."""
     from megarl.parallel_state.device_choice import uses_transformer_engine
 
     kinds = chosen_kinds(arch, config)
@@ -256,7 +257,6 @@ def attach(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig) -
     for chunk in chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
-    counts = {name: 0 for name in kinds}
     for chunk in chunks:
         for name, module in list(chunk.named_modules()):
             kind = next((k for k in kinds if _matches(kinds[k], name, r"\d+")), None)
@@ -275,8 +275,6 @@ def attach(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig) -
                 module.lora = LoraAdapter(config, kind, module, names, entry.transform, arch,
                                           chunk.config.sequence_parallel)
             module.register_forward_hook(_add_delta)
-            counts[kind] += 1
-    return counts
 
 
 class MergedWeight:

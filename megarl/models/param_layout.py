@@ -66,6 +66,12 @@ _TE_COLUMN = {"TEColumnParallelLinear", "TELayerNormColumnParallelLinear", "TECo
 _TE_ROW = {"TERowParallelLinear", "TERowParallelGroupedLinear"}
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a chunk's parameter (or state-dict) name is a LoRA adapter's (models/lora.py, the
+    child `lora` of an adapted linear): not one of the model's weights, nor in its checkpoints."""
+    return ".lora." in name
+
+
 def canonical_name(chunk_model, name: str) -> str:
     """The canonical full-model name of a parameter (or module) name local to this rank's chunk."""
     num_local = (chunk_model.config.num_moe_experts or 0) // megatron_groups.expert().size
@@ -128,7 +134,7 @@ def param_slots(chunks: List[torch.nn.Module]) -> List[Tuple[ParamSlot, torch.nn
                   for prefix, module in chunk.named_modules()
                   for pname, _ in module.named_parameters(recurse=False)}
         for name, param in chunk.named_parameters():
-            if ".lora." in name:  # LoRA adapters are not the model's weights (models/lora.py)
+            if is_adapter(name):
                 continue
             if ".experts." in name:
                 tp_rank, tp_size = (megatron_groups.expert_tensor().rank,

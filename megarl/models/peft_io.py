@@ -165,7 +165,7 @@ def gather(chunks: List[torch.nn.Module], tensor_of: Callable = None) -> Dict[st
                 param = params[short]
                 tensor = param.detach() if tensor_of is None else tensor_of(param)
                 mine.append((_key(adapter, short, which), adapter.expert[0] if adapter.expert else None,
-                             adapter.tp_rank, adapter.tp_size, adapter._split(which),
+                             adapter.tp_rank, adapter.tp_size, adapter.split_dim(which),
                              tensor.detach().cpu().clone()))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -203,7 +203,6 @@ def save(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig, out
                    "use_rslora": config.rslora, "target_modules": modules,
                    "target_parameters": parameters or None, "bias": "none",
                    "base_model_name_or_path": base_model, "inference_mode": True}, f, indent=2)
-
 
 
 def run_config(wanted: LoraConfig, init: Optional[str], arch: ModelArch) -> Optional[LoraConfig]:

@@ -15,7 +15,7 @@ import os
 import torch
 
 from megarl.checks import parity
-from megarl.models import checkpoint, lora, peft_io
+from megarl.models import checkpoint, peft_io
 from megarl.models.builder import build_model
 from megarl.models.hf_config import arch_from_hf_config
 from megarl.parallel_state import megatron_groups
@@ -23,17 +23,17 @@ from megarl.parallel_state.dims import ParallelDims
 
 
 def _adapted(megatron_dir: str, adapter_dir: str, dims: ParallelDims):
+    """The model at `dims` with the folder's adapters, as a run with model.lora_init starts."""
     arch = arch_from_hf_config(checkpoint.read_model_file(megatron_dir)["hf_config"])
     chunks = build_model(arch, dims, perform_initialization=False)
     checkpoint.load(chunks, megatron_dir)
     config = peft_io.read_config(adapter_dir, arch)
-    lora.attach(chunks, arch, config)
+    peft_io.start(chunks, arch, config, adapter_dir)
     return arch, chunks, config
 
 
 def _round_trip(megatron_dir: str, adapter_dir: str, dims: ParallelDims, out: str) -> None:
     arch, chunks, config = _adapted(megatron_dir, adapter_dir, dims)
-    peft_io.load(chunks, adapter_dir)
     peft_io.save(chunks, arch, config, out)
 
 
