@@ -19,7 +19,12 @@ PEFT_TARGETS = {
                   ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
     "deepseek_v3": (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
                     ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    # gate_proj and up_proj named too: PEFT widens the fused gate_up's adapter to rank 2r, alpha
+    # 2 alpha (its rank_pattern and alpha_pattern)
+    "qwen3_moe_widened": (["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+                          ["mlp.experts.gate_up_proj"]),
 }
+BASE = {"qwen3_moe_widened": "qwen3_moe"}  # adapter -> the model it is on (default: its own name)
 LAYOUTS = {
     # name: (world size, ParallelDims fields, models)
     "single": (1, {}, list(PEFT_TARGETS)),
@@ -59,7 +64,8 @@ def make_adapter(hf_dir: str, out: str, model: str, seed: int = 0) -> str:
 @pytest.fixture(scope="module")
 def adapters(hf_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("peft")
-    return {model: make_adapter(hf_models[model], str(root / model), model) for model in PEFT_TARGETS}
+    return {model: make_adapter(hf_models[BASE.get(model, model)], str(root / model), model)
+            for model in PEFT_TARGETS}
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +74,10 @@ def results(hf_models, megatron_models, adapters, tmp_path_factory):
     records the expert-TP refusal."""
     root = tmp_path_factory.mktemp("lora_parity")
     refusals = ["--lora-refusals", json.dumps([megatron_models["qwen3_moe"], adapters["qwen3_moe"]])]
+    base = {m: BASE.get(m, m) for m in PEFT_TARGETS}
     for_layout = by_layout("tests/workers/layout_parity.py", LAYOUTS,
-                           lambda m: [m, hf_models[m], megatron_models[m], adapters[m]], root, (1, 2),
-                           lambda world: refusals if world == 2 else ())
+                           lambda m: [m, hf_models[base[m]], megatron_models[base[m]], adapters[m]],
+                           root, (1, 2), lambda world: refusals if world == 2 else ())
     for_layout.root = root
     return for_layout
 
@@ -102,7 +109,13 @@ def test_peft_round_trip_is_bit_exact(results, adapters, layout, model):
             open(os.path.join(adapters[model], "adapter_config.json")) as g:
         mine, peft_config = json.load(f), json.load(g)
     assert (mine["r"], mine["lora_alpha"]) == (peft_config["r"], peft_config["lora_alpha"])
-    assert set(mine["target_parameters"] or []) == set(peft_config["target_parameters"] or [])
+    assert mine["rank_pattern"] == peft_config["rank_pattern"]
+    assert mine["alpha_pattern"] == peft_config["alpha_pattern"]
+    if model in BASE:  # PEFT's widening also lists the parameters' short names: the same ones
+        assert ({p.rsplit(".", 1)[-1] for p in mine["target_parameters"]}
+                == {p.rsplit(".", 1)[-1] for p in peft_config["target_parameters"]})
+    else:
+        assert set(mine["target_parameters"] or []) == set(peft_config["target_parameters"] or [])
 
 
 @pytest.mark.parametrize("case", list(SYNC_CASES))
@@ -122,24 +135,26 @@ def test_the_adapters_change_the_model(hf_models, adapters):
     from megarl.models.hf_config import load_arch
 
     for model in PEFT_TARGETS:
-        tokens = fixed_tokens(load_arch(hf_models[model]).vocab_size, 2, 16)
-        with_adapters = hf_run(hf_models[model], tokens, False, adapters[model]).logprobs
-        base = hf_run(hf_models[model], tokens, False).logprobs
+        hf_dir = hf_models[BASE.get(model, model)]
+        tokens = fixed_tokens(load_arch(hf_dir).vocab_size, 2, 16)
+        with_adapters = hf_run(hf_dir, tokens, False, adapters[model]).logprobs
+        base = hf_run(hf_dir, tokens, False).logprobs
         assert (with_adapters - base).abs().max() > 1e-2, model
 
 
 def test_a_saved_folder_loads_into_peft_as_trained(results, hf_models, adapters):
-    """What megarl writes is a PEFT folder PEFT itself loads, to the same model."""
+    """What megarl writes is a PEFT folder PEFT itself loads, to the same model: also where PEFT
+    widened the fused gate_up (its rank_pattern and alpha_pattern written back)."""
     from megarl.checks.parity import fixed_tokens, hf_run
     from megarl.models.hf_config import load_arch
 
-    for model in ("qwen3", "qwen3_moe"):
-        tokens = fixed_tokens(load_arch(hf_models[model]).vocab_size, 2, 16)
-        layout = "tp2_ep2_etp1" if model == "qwen3_moe" else "tp2"
+    for model, layout in (("qwen3", "tp2"), ("qwen3_moe", "tp2_ep2_etp1"), ("qwen3_moe_widened", "single")):
+        hf_dir = hf_models[BASE.get(model, model)]
+        tokens = fixed_tokens(load_arch(hf_dir).vocab_size, 2, 16)
         results(layout)
         saved = os.path.join(results.root, layout, f"{model}.peft")
-        assert torch.equal(hf_run(hf_models[model], tokens, False, saved).logprobs,
-                           hf_run(hf_models[model], tokens, False, adapters[model]).logprobs)
+        assert torch.equal(hf_run(hf_dir, tokens, False, saved).logprobs,
+                           hf_run(hf_dir, tokens, False, adapters[model]).logprobs), model
 
 
 def test_expert_adapters_refuse_expert_tp(results):
@@ -221,6 +236,22 @@ def test_transformers_4_expert_adapters_are_refused(hf_models, tmp_path):
         read_config(str(folder), load_arch(hf_models["qwen3_moe"]))
 
 
+def test_part_of_a_fused_linear_is_refused_naming_the_rest(hf_models, tmp_path):
+    """A folder that adapts q_proj alone cannot be placed in Megatron's fused linear_qkv: refused
+    when read, naming k_proj and v_proj."""
+    from safetensors.torch import save_file
+
+    from megarl.models.hf_config import load_arch
+    from megarl.models.peft_io import read_config
+
+    save_file({f"base_model.model.model.layers.0.self_attn.q_proj.lora_{w}.weight": torch.zeros(4, 4)
+               for w in "AB"}, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                              "target_modules": ["q_proj"]}))
+    with pytest.raises(ValueError, match=r"adapts \['q_proj'\] but not \['k_proj', 'v_proj'\]"):
+        read_config(str(tmp_path), load_arch(hf_models["qwen3"]))
+
+
 def test_run_adapter_sizes_are_the_files(adapters, hf_models):
     """The adapter folder's tensors are what PEFT would train: rank 4 per projection, and PEFT's own
     widening of the fused gate_up when gate_proj and up_proj are targets (rank_pattern) is read
@@ -231,3 +262,6 @@ def test_run_adapter_sizes_are_the_files(adapters, hf_models):
     config = read_config(adapters["qwen3_moe"], load_arch(hf_models["qwen3_moe"]))
     assert config.rank == 4 and config.alpha == 8 and not config.kind_ranks
     assert set(config.targets) == {"attention_qkv", "attention_proj", "expert_fc1", "expert_fc2"}
+    widened = read_config(adapters["qwen3_moe_widened"], load_arch(hf_models["qwen3_moe"]))
+    assert (widened.kind_ranks, widened.kind_alphas) == ({"expert_fc1": 8}, {"expert_fc1": 16.0})
+    assert widened.scaling_of("expert_fc1") == widened.scaling_of("attention_qkv") == 2.0

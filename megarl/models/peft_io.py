@@ -98,7 +98,7 @@ def _file_kinds(adapter_dir: str, arch: ModelArch, target_parameters: List[str])
     present = kinds_of(arch)
     adapted = {name.rsplit(".", 1)[-1] for name in target_parameters}
     routed = [kind for kind in EXPERT_ORDER if kind in present and KINDS[kind].expert in adapted]
-    found = {}
+    found, seen = {}, set()  # seen: the HF projections (last name part) the tensors adapt
     with safe_open(os.path.join(adapter_dir, WEIGHTS_FILE), "pt") as f:
         for key in f.keys():
             if not key.endswith(".lora_A.weight"):
@@ -121,8 +121,16 @@ def _file_kinds(adapter_dir: str, arch: ModelArch, target_parameters: List[str])
                 raise ValueError(f"{adapter_dir}: {key} adapts a module megarl has no adapter kind for "
                                  f"on {arch.family} (kinds: {present})")
             found[kind] = (module, rows)
+            seen.add(module.rsplit(".", 1)[-1])
     if not found:
         raise ValueError(f"{adapter_dir}: {WEIGHTS_FILE} holds no lora_A tensors")
+    for kind in found:  # a fused Megatron linear holds all its projections' adapters or none
+        missing = sorted(hf_module_names(arch, kind) - seen)
+        if missing:
+            raise ValueError(f"{adapter_dir} adapts {sorted(hf_module_names(arch, kind) & seen)} but "
+                             f"not {missing}: megarl fuses them into one linear ({kind}) and adapts "
+                             f"all of its projections; train the folder with {missing} among "
+                             "target_modules too")
     return found
 
 
@@ -202,7 +210,20 @@ def save(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig, out
                    "lora_alpha": config.alpha, "lora_dropout": config.dropout,
                    "use_rslora": config.rslora, "target_modules": modules,
                    "target_parameters": parameters or None, "bias": "none",
+                   "rank_pattern": _patterns(arch, config.kind_ranks),
+                   "alpha_pattern": _patterns(arch, config.kind_alphas),
                    "base_model_name_or_path": base_model, "inference_mode": True}, f, indent=2)
+
+
+def _patterns(arch: ModelArch, by_kind: Dict[str, float]) -> Dict[str, float]:
+    """PEFT's rank_pattern or alpha_pattern for the kinds whose rank or alpha is their own (as PEFT
+    writes them: ".*\\.NAME"; the shared experts' first, as _pattern_value takes the first match)."""
+    patterns = {}
+    for kind in sorted(by_kind, key=lambda k: not k.startswith("shared")):
+        names = [KINDS[kind].expert] if KINDS[kind].expert else sorted(hf_module_names(arch, kind))
+        prefix = r".*\.shared_experts\." if kind.startswith("shared") else r".*\."
+        patterns.update({prefix + re.escape(name): by_kind[kind] for name in names})
+    return patterns
 
 
 def run_config(wanted: LoraConfig, init: Optional[str], arch: ModelArch) -> Optional[LoraConfig]:
