@@ -83,6 +83,7 @@ TIERS = {
     "test_placement": UNIT,
     "test_plan_sync": E2E,  # real syncs through scripts/verify_sync.py: vLLM
     "test_plan_sync_unit": UNIT,
+    "test_portable_attention": UNIT,
     "test_presets": UNIT,
     "test_producer_seam": UNIT,
     "test_prompts": UNIT,

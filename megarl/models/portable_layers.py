@@ -136,20 +136,28 @@ class PortableCoreAttention(MegatronModule):
     def _per_sequence(self, query, key, value, bounds):
         """Causal attention within each packed sequence (query [t, nq, d]; key, value [t, nkv, d]):
         sum(n_i^2) work like varlen flash attention, not the t^2 of one block-diagonal mask,
-        which made packing cost as much attention as padding."""
-        outs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end == start:
+        which made packing cost as much attention as padding. Sequences of one length go through
+        one batched call: RL packs hold many sequences of few lengths, and a call per sequence
+        (each with its own backward nodes) cost more than the attention itself. Each batch row
+        is computed as its own call computes it (fuzzed bit for bit in tests/test_portable_attention.py)."""
+        bounds = torch.tensor(bounds)
+        starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
+        outs, rows = [], []
+        for n in lengths.unique().tolist():
+            if n == 0:
                 continue
-            q = query[start:end].transpose(0, 1)[None]  # [1, nq, n, d]
-            k = key[start:end].transpose(0, 1)[None].repeat_interleave(self.heads_per_group, dim=1)
-            v = value[start:end].transpose(0, 1)[None].repeat_interleave(self.heads_per_group, dim=1)
-            outs.append(torch.nn.functional.scaled_dot_product_attention(
+            index = (starts[lengths == n][:, None] + torch.arange(n)).to(query.device)  # [B, n]
+            q = query[index].transpose(1, 2)  # [B, nq, n, d]
+            k = key[index].transpose(1, 2).repeat_interleave(self.heads_per_group, dim=1)
+            v = value[index].transpose(1, 2).repeat_interleave(self.heads_per_group, dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                scale=self.softmax_scale)[0].transpose(0, 1))  # [n, nq, d]
+                scale=self.softmax_scale)  # [B, nq, n, dv]
+            outs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))
+            rows.append(index.reshape(-1))
         out = torch.cat(outs)
-        return out.reshape(out.shape[0], -1)  # [t, nq/tp * d]
-
+        out = out.new_zeros(query.shape[0], *out.shape[1:]).index_copy(0, torch.cat(rows), out)
+        return out.reshape(out.shape[0], -1)  # [t, nq/tp * dv]
 
 def packed_positions(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int):
     """(sequence id, position in its sequence) of each token one CP rank holds of a thd pack
