@@ -30,6 +30,8 @@ from megarl.models.lora import LoraConfig
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import sync_weights
+from megarl.resharding.adapter_sync import push_weights
+from megarl.rollout import vllm_lora
 from megarl.rollout.vllm_engine import VLLMEngine
 
 
@@ -93,6 +95,11 @@ def main():
     parser.add_argument("--lora-init", default=None, metavar="PEFT_DIR",
                         help="LoRA adapters from a PEFT folder on the perturbed actor: the sync sends "
                              "the weights with them merged in, and vLLM must match the adapted actor")
+    parser.add_argument("--lora-slots", action="store_true",
+                        help="with --lora-init: vLLM serves the adapters from its LoRA slots. The first "
+                             "sync writes the base weights and the adapters; then the adapters are "
+                             "perturbed (as training moves them) and a second sync sends them alone; "
+                             "the log-probs compared are after the second (key 'adapter_sync')")
     parser.add_argument("--export", default=None, metavar="DIR",
                         help="write DIR/hf (the perturbed actor, HF format) and DIR/samples.json "
                              "(the samples generated after the sync)")
@@ -100,6 +107,8 @@ def main():
     if args.push_after_steps < 0 or (args.push_after_steps and not args.routing):
         parser.error(f"--push-after-steps {args.push_after_steps}: give a number of engine steps >= 1 "
                      "together with --routing (it reports the routing replay across the push)")
+    if args.lora_slots and not args.lora_init:
+        parser.error("--lora-slots needs --lora-init PEFT_DIR: the adapters the slots serve")
 
     world = megatron_groups.init_distributed()
     dims = ParallelDims(world_size=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
@@ -110,18 +119,38 @@ def main():
     chunks = build_model(arch, dims, perform_initialization=False, **overrides)
     load_hf_weights(chunks, arch, args.hf_dir)
     verify.perturb(chunks, arch, args.perturb, args.seed)
-    peft_io.start(chunks, arch, peft_io.run_config(LoraConfig(), args.lora_init, arch), args.lora_init)
+    adapters = peft_io.run_config(LoraConfig(), args.lora_init, arch)
+    peft_io.start(chunks, arch, adapters, args.lora_init)
+    slots = None
+    if args.lora_slots:
+        refusal = vllm_lora.slots_refusal(arch, adapters)
+        if refusal:
+            sys.exit(f"--lora-slots: {refusal}")
+        slots = vllm_lora.SlotSpec(arch, adapters)
 
     engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, rollout_ep=args.rollout_ep,
                         dtype=arch.dtype, seed=args.seed, return_routing=args.routing,
-                        router_fp32=not args.no_router_fp32)
+                        router_fp32=not args.no_router_fp32, lora_slots=slots)
     prompts = verify.fixed_prompts(arch.vocab_size, args.prompts, args.seed)
     mine = [prompts[i] for i in engine.placement.share(len(prompts))]
     sampling = verify.default_sampling(args.max_new_tokens, args.seed)
     actor = verify.checking_actor(chunks, arch)
 
-    before = verify.actor_logprob_diff(actor, verify.all_samples(engine.generate(mine, sampling)))
-    report = sync_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
+    adapter_sync = None
+    if slots is None:
+        before = verify.actor_logprob_diff(actor, verify.all_samples(engine.generate(mine, sampling)))
+        report = sync_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
+    else:  # an engine with slots generates once adapters are loaded: "before" is the old adapters'
+        first = push_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
+        verify.perturb_adapters(chunks, args.perturb, args.seed + 1)
+        before = verify.actor_logprob_diff(actor, verify.all_samples(engine.generate(mine, sampling)))
+        second = push_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
+        report = first.base
+        rows = _per_rank(dataclasses.asdict(second), world)
+        adapter_sync = {"base_written": [first.base is not None, second.base is not None],
+                        "adapter_bytes": second.adapter_bytes,
+                        **{key: [r[key] for r in rows] for key in (
+                            "bytes_received", "bytes_sent", "local_bytes", "messages", "sync_seconds")}}
     samples = verify.all_samples(engine.generate(mine, sampling))
     after = verify.actor_logprob_diff(actor, samples)
     ranks = _per_rank(dataclasses.asdict(report), world)
@@ -139,6 +168,8 @@ def main():
               # per rank: [peer, dtype, bytes] as its transport counted them
               **{key: [sorted([peer, dtype, n] for (peer, dtype), n in r[key].items()) for r in ranks]
                  for key in ("received_from", "sent_to")}}
+    if adapter_sync is not None:
+        result["adapter_sync"] = adapter_sync
     if args.routing:
         result["routing"] = verify.routing_replay_report(chunks, arch, samples)
         # what the engine's MoE gates compute in (fp32 unless --no-router-fp32)

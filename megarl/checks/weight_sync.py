@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.algos import mismatch
-from megarl.models import weight_tables
+from megarl.models import peft_io, weight_tables
 from megarl.models.hf_config import ModelArch, load_hf_config
 from megarl.models.param_layout import weight_slots
 from megarl.parallel_state import megatron_groups
@@ -39,6 +39,17 @@ def perturb(chunks: List[torch.nn.Module], arch: ModelArch, scale: float, seed: 
         generator = torch.Generator().manual_seed(seed ^ zlib.crc32(key.encode()))
         noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
         param.add_((scale * param.float().abs().mean() * noise).to(param.dtype))
+
+
+@torch.no_grad()
+def perturb_adapters(chunks: List[torch.nn.Module], scale: float, seed: int) -> None:
+    """perturb's noise on every LoRA adapter tensor instead (what a training step moves when
+    only the adapters train), drawn from the PEFT name and the shard, so replicas stay equal."""
+    for shard, tensor in peft_io.local_shards(chunks):
+        key = f"{shard.slot}"
+        generator = torch.Generator().manual_seed(seed ^ zlib.crc32(key.encode()))
+        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+        tensor.add_((scale * tensor.float().abs().mean() * noise).to(tensor.dtype))
 
 
 def all_samples(mine: List[RolloutSample]) -> List[RolloutSample]:

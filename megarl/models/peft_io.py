@@ -10,6 +10,7 @@ matrices, cut for the layout, so loading cuts and saving joins: no arithmetic, a
 import json
 import os
 import re
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -163,42 +164,76 @@ def load(chunks: List[torch.nn.Module], adapter_dir: str) -> None:
                          f"({len(unused)} in all); add their kinds to lora.targets")
 
 
-def gather(chunks: List[torch.nn.Module], tensor_of: Callable = None) -> Dict[str, torch.Tensor]:
-    """Every adapter tensor of the whole model under its PEFT name, on every rank (`tensor_of`
-    picks what: default the weights; e.g. lambda p: p.main_grad). Small: adapters only."""
+@dataclass(frozen=True)
+class Shard:
+    """One rank's piece of one adapter tensor: of PEFT tensor `key` (a routed expert's slice of it
+    when `expert` is set), TP piece `tp_rank` of `tp_size` cut along `dim` (None: whole)."""
+    key: str
+    expert: Optional[int]
+    tp_rank: int
+    tp_size: int
+    dim: Optional[int]
+
+    @property
+    def slot(self) -> tuple:
+        """What identifies the bytes: DP and CP replicas (and TP ranks of a whole tensor) hold
+        the same ones."""
+        return self.key, self.expert, self.tp_rank if self.dim is not None else 0
+
+
+def local_shards(chunks: List[torch.nn.Module], tensor_of: Callable = None) -> List[tuple]:
+    """(Shard, tensor) of every adapter part this rank holds (`tensor_of` picks what: default the
+    weights; e.g. lambda p: p.main_grad)."""
     mine = []
     for adapter in adapters(chunks):
         for short in adapter.hf_names:
             for which, params in (("A", adapter.A), ("B", adapter.B)):
                 param = params[short]
                 tensor = param.detach() if tensor_of is None else tensor_of(param)
-                mine.append((_key(adapter, short, which), adapter.expert[0] if adapter.expert else None,
-                             adapter.tp_rank, adapter.tp_size, adapter.split_dim(which),
-                             tensor.detach().cpu().clone()))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    shards: Dict[tuple, Dict[int, torch.Tensor]] = {}
+                mine.append((Shard(_key(adapter, short, which), adapter.expert[0] if adapter.expert else None,
+                                   adapter.tp_rank, adapter.tp_size, adapter.split_dim(which)),
+                             tensor.detach()))
+    return mine
+
+
+def assemble(shards) -> Dict[str, torch.Tensor]:
+    """Every PEFT tensor whole, from (Shard, tensor) pairs that cover each of them (replicas are
+    taken once)."""
+    parts: Dict[tuple, torch.Tensor] = {}
     split = {}
-    for items in everyone:  # DP and CP replicas hold the same pieces: one per TP rank
-        for key, expert, tp_rank, tp_size, dim, tensor in items:
-            shards.setdefault((key, expert), {}).setdefault(tp_rank if dim is not None else 0, tensor)
-            split[key] = (dim, tp_size)
+    for shard, tensor in shards:
+        parts.setdefault(shard.slot, tensor)
+        split[shard.key] = (shard.dim, shard.tp_size)
     experts: Dict[str, Dict[int, torch.Tensor]] = {}
-    for (key, expert), by_rank in shards.items():
+    for key, expert in {slot[:2] for slot in parts}:
         dim, tp_size = split[key]
-        whole = by_rank[0] if dim is None else torch.cat([by_rank[r] for r in range(tp_size)], dim=dim)
-        experts.setdefault(key, {})[expert] = whole
+        experts.setdefault(key, {})[expert] = parts[(key, expert, 0)] if dim is None else torch.cat(
+            [parts[(key, expert, r)] for r in range(tp_size)], dim=dim)
     return {key: pieces[None] if None in pieces else
             _stack_experts(pieces, "A" if key.endswith("lora_A.weight") else "B")
             for key, pieces in sorted(experts.items())}
+
+
+def gather(chunks: List[torch.nn.Module], tensor_of: Callable = None) -> Dict[str, torch.Tensor]:
+    """Every adapter tensor of the whole model under its PEFT name, on every rank (`tensor_of`
+    picks what: default the weights; e.g. lambda p: p.main_grad). Small: adapters only."""
+    mine = [(shard, tensor.cpu().clone()) for shard, tensor in local_shards(chunks, tensor_of)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return assemble(pair for items in everyone for pair in items)
 
 
 def save(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig, out_dir: str,
          base_model: str = None) -> None:
     """The adapters as a PEFT folder (rank 0 writes). Collective."""
     tensors = gather(chunks)
-    if dist.get_rank() != 0:
-        return
+    if dist.get_rank() == 0:
+        write_folder(tensors, arch, config, out_dir, base_model)
+
+
+def write_folder(tensors: Dict[str, torch.Tensor], arch: ModelArch, config: LoraConfig, out_dir: str,
+                 base_model: str = None) -> None:
+    """`tensors` (PEFT names, whole) and `config` as a PEFT folder."""
     kinds = chosen_kinds(arch, config)
     modules = sorted({n for kind in kinds if not KINDS[kind].expert for n in hf_module_names(arch, kind)})
     parameters = sorted({f"mlp.experts.{KINDS[kind].expert}" for kind in kinds if KINDS[kind].expert})

@@ -18,17 +18,18 @@ from megarl.parallel_state.links import Links
 from megarl.resharding.plan import Piece
 
 
-def local_pieces(chunks: List[torch.nn.Module], arch: ModelArch, rank: int,
-                 role: str = "policy") -> Tuple[List[Piece], Dict[Tuple[str, int], torch.Tensor]]:
+def local_pieces(chunks: List[torch.nn.Module], arch: ModelArch, rank: int, role: str = "policy",
+                 merge_adapters: bool = True) -> Tuple[List[Piece], Dict[Tuple[str, int], torch.Tensor]]:
     """This rank's pieces and their tensors, keyed (canonical, tp_rank); `rank` is its rank in
     the sync's Links. A tied output layer (the last stage's copy of the embedding) is left out:
     the embedding itself is sent. An adapted linear's weight is sent with its LoRA adapters merged
-    in (lora.MergedWeight: computed as the transport reads it). A rank without chunks (a rollout
-    rank) holds none."""
+    in (lora.MergedWeight: computed as the transport reads it), unless `merge_adapters` is False
+    (a destination serving the adapters from slots of its own takes the base). A rank without
+    chunks (a rollout rank) holds none."""
     if not chunks:
         return [], {}
     pieces, tensors = [], {}
-    merged = lora.merged_weights(chunks)
+    merged = lora.merged_weights(chunks) if merge_adapters else {}
     for slot, param in weight_slots(chunks):
         if weight_tables.entry_of(arch, slot.canonical, role).megatron != slot.canonical:
             continue

@@ -123,13 +123,15 @@ def _share(plan: Plan, rank: int, model_bytes: int, itemsize: int) -> RankPlan:
 
 @torch.no_grad()
 def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightDestination,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, links: Optional[Links] = None) -> SyncReport:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, links: Optional[Links] = None,
+                 merge_adapters: bool = True) -> SyncReport:
     """`chunks`: this rank's Megatron chunks (none on a rollout rank); `engine`: what this rank
     writes into (on a trainer rank of a disaggregated job, a destination holding nothing);
-    `links`: the ranks of the sync (None: the default world)."""
+    `links`: the ranks of the sync (None: the default world); `merge_adapters`: LoRA adapters
+    merged into their base weights (False: the base alone, for adapter_sync's slots)."""
     start = time.perf_counter()
     links = links or WorldLinks()
-    mine, local = metadata.local_pieces(chunks, arch, links.rank)
+    mine, local = metadata.local_pieces(chunks, arch, links.rank, merge_adapters=merge_adapters)
     misses = rank_plan.cache_info().misses
     work = rank_plan(arch, engine.weight_layout(), metadata.gather(mine, links), bucket_bytes,
                      node_of_ranks(links.size), links.rank)

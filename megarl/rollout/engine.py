@@ -93,12 +93,15 @@ class WeightLayout:
     consecutive ranks, experts split over an engine's ranks when `ep` == tp) or "hf" (whole HF
     tensors, on rank 0 only). megarl.resharding.destination turns it into every rank's tensors.
     `first_rank`: the sync's rank of the destination's rank 0 (0 colocated; the first rollout
-    rank on the trainer-rollout bridge)."""
+    rank on the trainer-rollout bridge). `adapters`: the destination serves the actor's LoRA
+    adapters from slots of its own (AdapterDestination): the weights it takes are the base's,
+    written once, and each sync sends the adapters alone."""
     format: str
     world: int
     tp: int = 1
     ep: int = 1
     first_rank: int = 0
+    adapters: bool = False
 
 
 class WeightDestination(Protocol):
@@ -121,6 +124,16 @@ class WeightDestination(Protocol):
 
     def finish_weight_update(self) -> WeightUpdateReport:
         """Finalize; report every destination tensor that was or was not written."""
+
+
+class AdapterDestination(WeightDestination, Protocol):
+    """A destination whose layout has `adapters` (megarl.resharding.adapter_sync writes into it)."""
+
+    def needs_base_weights(self) -> bool:
+        """The next sync must write the base weights first (the first one, or after they were lost)."""
+
+    def load_adapters(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """Every adapter tensor, whole, under its PEFT name: serve them from now on."""
 
 
 class RolloutEngine(WeightDestination, Protocol):

@@ -66,6 +66,7 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
     old packed copy (measured: log-probs off by 0.08 after a 5% perturbation). Re-pack it."""
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    embed = getattr(embed, "base_layer", embed)  # with LoRA on, vLLM wraps the embedding
     if head is None or embed is None or not hasattr(head, "quant_method"):
         return False
     if head.weight.data_ptr() != embed.weight.data_ptr():

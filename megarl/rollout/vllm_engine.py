@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel_state import device_choice
-from megarl.rollout import vllm_cpu_fixes, vllm_fp32_router
+from megarl.rollout import vllm_cpu_fixes, vllm_fp32_router, vllm_lora
 from megarl.rollout.engine import (
     Placement,
     Progress,
@@ -35,8 +35,10 @@ from megarl.rollout.vllm_weights import InPlaceWriter
 
 # vLLM's sleep level for release_memory. Level 1 copies the weights to the host and back every
 # step, only for the sync to overwrite them; level 2 keeps nothing (vLLM saves and restores the
-# model's buffers itself), so the weights are written once a step, by the sync.
+# model's buffers itself), so the weights are written once a step, by the sync. An engine with
+# LoRA slots keeps its base weights (the sync sends only adapters): level 1.
 SLEEP_LEVEL = 2
+SLEEP_LEVEL_KEEPING_WEIGHTS = 1
 
 
 def rollout_groups(world_size: int, rollout_tp: int) -> int:
@@ -67,21 +69,25 @@ class VLLMEngine:
                  max_model_len: Optional[int] = None, kv_cache_gib: int = 1, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, rollout_ep: int = 1,
                  load_format: str = "dummy", return_routing: bool = False,
-                 router_fp32: bool = True, sync_first_rank: int = 0):
+                 router_fp32: bool = True, sync_first_rank: int = 0,
+                 lora_slots: Optional[vllm_lora.SlotSpec] = None):
         """`load_format` "dummy": random weights until the first sync (the run's path); "auto"
         reads `hf_dir`'s weights on every rank (for an engine used without a sync).
         `return_routing`: each sample carries the experts its tokens were routed to (MoE models;
         vllm_routing.py). Its prompt is then computed for every sample: no prefix cache.
         `router_fp32`: MoE gates compute logits and top-k in fp32, as the trainer's do
         (model.router_fp32; vllm_fp32_router.py). `sync_first_rank`: this engine world's rank 0
-        in the weight sync's ranks (the first rollout rank on a trainer-rollout bridge)."""
+        in the weight sync's ranks (the first rollout rank on a trainer-rollout bridge).
+        `lora_slots`: the actor's adapters are served from vLLM's LoRA slots: the sync writes the
+        base weights once and then only the adapters (resharding/adapter_sync.py)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         check_engine_ep(rollout_tp, rollout_ep)
         # Ranks of one engine must pass the same prompts; its first rank reports the samples.
         self.placement = Placement(engines=rollout_groups(world, rollout_tp), engine_rank=rank // rollout_tp,
                                    leader=rank % rollout_tp == 0)
-        self.layout = WeightLayout("vllm", world, rollout_tp, rollout_ep, sync_first_rank)
+        self.layout = WeightLayout("vllm", world, rollout_tp, rollout_ep, sync_first_rank,
+                                   adapters=lora_slots is not None)
         # In-process engine: the worker lives in this process, so weight updates are plain
         # function calls on tensors already in memory.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -112,6 +118,7 @@ class VLLMEngine:
             vllm_cpu_fixes.per_launch_shm_names()
             vllm_cpu_fixes.eager_helpers()
             kwargs.update(vllm_cpu_fixes.whole_prefills(), **vllm_cpu_fixes.reference_mla(hf_dir))
+        kwargs.update(vllm_lora.engine_kwargs(lora_slots))
         with vllm_fp32_router.fp32_gates(router_fp32), capture_at_load(return_routing) as captures:
             self.llm = LLM(
                 model=hf_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
@@ -123,6 +130,9 @@ class VLLMEngine:
                 **kwargs,
             )
         self._asleep = set()  # of "weights", "kv_cache": what release_memory put to sleep
+        self._slot = None if lora_slots is None else vllm_lora.AdapterSlot(self.llm, lora_slots)
+        self._sleep_level = SLEEP_LEVEL if self._slot is None else SLEEP_LEVEL_KEEPING_WEIGHTS
+        self._base_written = False  # a weight update finished since the base weights were last lost
         # Why the weights are not the ones to generate with (None: they are): woken after a
         # release, or half written by an update, until a weight update finishes.
         self._stale: Optional[str] = None
@@ -141,7 +151,7 @@ class VLLMEngine:
         if self._routing is not None:
             self._routing.start()
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                    params, use_tqdm=False)
+                                    params, use_tqdm=False, lora_request=self._lora_request())
         found = self._routing.take() if self._routing is not None else None
         samples = []
         for index, output in enumerate(outputs):
@@ -169,7 +179,8 @@ class VLLMEngine:
         # vLLM's scheduler knows the request by an id of its own (the given one and a suffix);
         # what it fed is kept for the routing's check when it finishes
         internal = self.llm.llm_engine.add_request(
-            request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), _params(sampling, streamed=True))
+            request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), _params(sampling, streamed=True),
+            lora_request=self._lora_request())
         self._streamed[request_id] = (internal, list(prompt_ids))
 
     def step(self) -> List[Progress]:
@@ -224,8 +235,30 @@ class VLLMEngine:
     def finish_weight_update(self) -> WeightUpdateReport:
         report = self._writer.finish()
         self._reset_prefix_cache()
-        self._stale = None
+        self._base_written = True
+        self._stale = None if self._slot is None else "the base weights are written, the adapters not yet"
         return report
+
+    def needs_base_weights(self) -> bool:
+        """Whether the next sync must write the base weights (an engine without LoRA slots takes
+        the whole model every sync)."""
+        return self._slot is None or not self._base_written
+
+    def load_adapters(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """One weight version's adapters (whole PEFT tensors) into the LoRA slot; every request from
+        now on uses them."""
+        if self._slot is None:
+            raise RuntimeError("this engine has no LoRA slots (VLLMEngine(lora_slots=...)): sync the "
+                               "weights with the adapters merged in")
+        self._require_awake("adapter update", ["weights"])
+        if not self._base_written:
+            raise RuntimeError("adapters before the base weights: the first sync writes the base")
+        self._slot.load(tensors)
+        self._reset_prefix_cache()
+        self._stale = None
+
+    def _lora_request(self):
+        return None if self._slot is None else self._slot.request
 
     def _reset_prefix_cache(self) -> None:
         """Cached KV blocks were computed with the old weights: none may serve a new request."""
@@ -257,7 +290,7 @@ class VLLMEngine:
         woken after a release must be written by a weight update before the engine generates."""
         # Not with the weights asleep: level 2 saves the model's buffers, which live among them.
         if self.sleep_mode and "weights" not in self._asleep:
-            self.llm.sleep(level=SLEEP_LEVEL)
+            self.llm.sleep(level=self._sleep_level)
         self._asleep = {"weights", "kv_cache"}
 
     def resume_memory(self, weights: bool = True, kv_cache: bool = True) -> None:
@@ -267,8 +300,9 @@ class VLLMEngine:
                 if wanted and tag in self._asleep]
         if tags and self.sleep_mode:
             self.llm.wake_up(tags=tags)
-        if "weights" in tags:
+        if "weights" in tags and self._sleep_level == SLEEP_LEVEL:
             self._stale = f"they were released (sleep level {SLEEP_LEVEL} keeps nothing) and woken"
+            self._base_written = False
         self._asleep -= set(tags)
 
     def _require_awake(self, what: str, tags) -> None:

@@ -26,8 +26,11 @@ class InPlaceWriter:
 
         self.model, self.model_config = model, model_config
         self._info = get_layerwise_info
-        # Names as vLLM reports them (tied weights once), shapes as its loaders see them.
-        self.names = [name for name, _ in model.named_parameters()]
+        # Names as vLLM reports them (tied weights once), shapes as its loaders see them; with LoRA
+        # on, vLLM wraps each adapted layer and its weights are the wrapper's base_layer's: known
+        # here by the plain names the sync plans.
+        self._real = {name.replace(".base_layer.", "."): name for name, _ in model.named_parameters()}
+        self.names = list(self._real)
         self.written: Set[str] = set()
 
     def begin(self, expected: Dict[str, Tuple[int, ...]]) -> None:
@@ -52,12 +55,12 @@ class InPlaceWriter:
         self.written = set()
 
     def _loaded_at_load_time(self, name: str) -> bool:
-        module, _, param = name.rpartition(".")
+        module, _, param = self._real[name].rpartition(".")
         layer = self.model.get_submodule(module)
         return param in self._info(layer).restore_metadata[0] or hasattr(layer, param)
 
     def _load_shape(self, name: str) -> torch.Size:
-        module, _, param = name.rpartition(".")
+        module, _, param = self._real[name].rpartition(".")
         layer = self.model.get_submodule(module)
         meta = self._info(layer).restore_metadata[0]
         # vLLM keeps a few tensors live through a reload (SKIP_TENSORS: biases, routing bias).
@@ -66,13 +69,13 @@ class InPlaceWriter:
     def open(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
-        for module in dict.fromkeys(name.rpartition(".")[0] for name in names):
+        for module in dict.fromkeys(self._real[name].rpartition(".")[0] for name in names):
             layer = self.model.get_submodule(module)
             materialize_layer(layer, self._info(layer))
-        return {name: self.model.get_parameter(name).data for name in names}
+        return {name: self.model.get_parameter(self._real[name]).data for name in names}
 
     def close(self, names: Sequence[str]) -> None:
-        for module in dict.fromkeys(name.rpartition(".")[0] for name in names):
+        for module in dict.fromkeys(self._real[name].rpartition(".")[0] for name in names):
             self._process(self.model.get_submodule(module))
         self.written.update(names)
 

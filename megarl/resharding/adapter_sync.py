@@ -1,0 +1,111 @@
+"""push_weights: the actor's newest weights into a destination, the adapters alone where it serves
+them from LoRA slots (WeightLayout.adapters), the whole model otherwise (sync.sync_weights).
+
+With slots, the base weights are frozen: the first sync writes them (unmerged) and every sync
+after it moves only the adapters. Each adapter shard (one TP piece of one A or B; DP and CP
+replicas hold the same bytes) goes from one rank that holds it to each rank of the destination,
+point to point over the sync's Links (all of one rank's parts for one peer in one message per
+dtype), and is counted by the transport (transport.Traffic) as it is posted. Each destination
+rank ends up with every adapter tensor whole, which vLLM cuts for its own tensor parallelism when
+it loads them (vllm_lora.py).
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megarl.models import peft_io
+from megarl.models.hf_config import ModelArch
+from megarl.parallel_state.links import Links, WorldLinks
+from megarl.resharding import transport
+from megarl.resharding.sync import DEFAULT_BUCKET_BYTES, SyncReport, sync_weights
+from megarl.rollout.engine import WeightDestination
+
+
+@dataclass
+class AdapterSyncReport:
+    base: Optional[SyncReport]  # the base weights' sync, when this push wrote them
+    adapter_bytes: int          # every adapter tensor once: what each destination rank must hold
+    bytes_received: int         # this rank, from other ranks (counted by the transport)
+    bytes_sent: int             # this rank, to other ranks
+    local_bytes: int            # this rank, from its own adapters into its engine
+    messages: int               # point-to-point sends posted by this rank
+    sync_seconds: float         # the adapters' move and load (the base's sync not included)
+
+
+def push_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightDestination,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, links: Optional[Links] = None):
+    """What every sync of a run calls: sync_weights' SyncReport without slots, AdapterSyncReport
+    with them. Collective over `links` (None: the default world)."""
+    if not engine.weight_layout().adapters:
+        return sync_weights(chunks, arch, engine, bucket_bytes, links)
+    links = links or WorldLinks()
+    base = None
+    if any(links.all_gather_object(engine.needs_base_weights())):
+        base = sync_weights(chunks, arch, engine, bucket_bytes, links, merge_adapters=False)
+    return sync_adapters(chunks, engine, links, base)
+
+
+def _receivers(engine: WeightDestination) -> range:
+    layout = engine.weight_layout()
+    return range(layout.first_rank, layout.first_rank + layout.world)
+
+
+@torch.no_grad()
+def sync_adapters(chunks: List[torch.nn.Module], engine: WeightDestination, links: Links,
+                  base: Optional[SyncReport] = None) -> AdapterSyncReport:
+    """Every adapter tensor whole onto each destination rank, loaded into its slot."""
+    start = time.perf_counter()
+    mine = peft_io.local_shards(chunks)
+    held = links.all_gather_object([(shard, tuple(t.shape), str(t.dtype)) for shard, t in mine])
+    owner: Dict[tuple, Tuple[int, peft_io.Shard, tuple, str]] = {}
+    for rank, items in enumerate(held):  # the lowest rank holding a shard sends it
+        for shard, shape, dtype in items:
+            owner.setdefault(shard.slot, (rank, shard, shape, dtype))
+    if not owner:
+        raise RuntimeError("adapter sync: no rank holds adapters (an actor without LoRA syncs whole)")
+    tensor_of = {shard.slot: tensor for shard, tensor in mine}
+    receivers, me = _receivers(engine), links.rank
+    outgoing: Dict[Tuple[int, str], List[torch.Tensor]] = {}  # (peer, dtype) -> what goes in one message
+    incoming: Dict[Tuple[int, str], List[Tuple[peft_io.Shard, tuple]]] = {}
+    received, traffic = [], transport.Traffic()
+    for slot in sorted(owner, key=repr):  # the same order on every rank: the messages' parts pair up
+        src, shard, shape, dtype = owner[slot]
+        if src == me:
+            for dst in receivers:
+                if dst != me:
+                    outgoing.setdefault((dst, dtype), []).append(tensor_of[slot].reshape(-1))
+        if me in receivers and src == me:
+            received.append((shard, tensor_of[slot]))
+            traffic.local_bytes += tensor_of[slot].numel() * tensor_of[slot].element_size()
+        elif me in receivers:
+            incoming.setdefault((src, dtype), []).append((shard, shape))
+    sends = [(torch.cat(parts), peer) for (peer, _), parts in outgoing.items()]
+    recvs = [(torch.empty(sum(_numel(shape) for _, shape in parts), dtype=_dtype(dtype), device=links.device),
+              peer) for (peer, dtype), parts in incoming.items()]
+    traffic.post(sends, recvs)
+    links.exchange(sends, recvs)
+    for (flat, _), parts in zip(recvs, incoming.values()):
+        pieces = flat.split([_numel(shape) for _, shape in parts])
+        received += [(shard, piece.view(shape)) for (shard, shape), piece in zip(parts, pieces)]
+    if me in receivers:
+        engine.load_adapters(peft_io.assemble(received))
+    adapter_bytes = sum(_nbytes(shape, dtype) for *_, shape, dtype in owner.values())
+    return AdapterSyncReport(base=base, adapter_bytes=adapter_bytes,
+                             bytes_received=sum(traffic.received.values()),
+                             bytes_sent=sum(traffic.sent.values()), local_bytes=traffic.local_bytes,
+                             messages=traffic.messages_sent, sync_seconds=time.perf_counter() - start)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _numel(shape: tuple) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def _nbytes(shape: tuple, dtype: str) -> int:
+    return torch.empty((), dtype=_dtype(dtype)).element_size() * _numel(shape)
