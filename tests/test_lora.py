@@ -129,6 +129,53 @@ def test_vllm_generates_with_the_adapters_merged_in(case, verified_sync, adapter
     assert result["params_synced"] == result["params_expected"] > 0, result
 
 
+# The adapter-only sync into vLLM's LoRA slots (verify_sync.py --lora-slots): TP2 into one engine of
+# rollout TP2, and PP2 into two engines of rollout TP1.
+SLOT_CASES = {
+    "tp2_into_rollout_tp2": (2, "qwen3", ["--tp", "2", "--rollout-tp", "2", "--lora-slots"]),
+    "pp2_into_two_rollout_tp1": (2, "qwen3", ["--pp", "2", "--lora-slots"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SLOT_CASES))
+def test_a_sync_into_lora_slots_sends_the_adapters_alone(case, verified_sync, adapters):
+    """The first sync writes the base weights; after the adapters move (as training moves them),
+    the second sends only them. vLLM serving them from its LoRA slot then matches the adapted
+    actor, and every engine rank took in exactly the adapters' bytes, as the transport counted
+    them (local + received), which are the PEFT folder's tensors' bytes."""
+    from safetensors.torch import load_file
+
+    world, model, flags = SLOT_CASES[case]
+    result = verified_sync(world, model, ["--lora-init", adapters[model], *flags])
+    synced = result["adapter_sync"]
+    assert synced["base_written"] == [True, False], synced
+    assert result["max_abs_logprob_diff"] <= 1e-4, result
+    assert result["max_abs_logprob_diff_before_sync"] >= 0.05, result  # the old adapters' samples
+    tensors = load_file(os.path.join(adapters[model], "adapter_model.safetensors"))
+    assert synced["adapter_bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    for local, received in zip(synced["local_bytes"], synced["bytes_received"]):
+        assert local + received == synced["adapter_bytes"], synced
+    assert sum(synced["bytes_sent"]) == sum(synced["bytes_received"]) > 0, synced
+    assert synced["adapter_bytes"] * 20 < result["model_bytes"], synced
+    assert all(m == 1 for m in synced["messages"]), synced  # one packed message to the one peer
+
+
+def test_engines_take_adapters_into_slots_where_vllm_serves_them(hf_models):
+    from megarl.models.hf_config import load_arch
+    from megarl.models.lora import LoraConfig
+    from megarl.rollout.vllm_lora import SlotSpec, engine_kwargs, slots_refusal
+
+    qwen3 = load_arch(hf_models["qwen3"])
+    assert slots_refusal(qwen3, LoraConfig(rank=4)) is None
+    assert "MoE" in slots_refusal(load_arch(hf_models["qwen3_moe"]), LoraConfig(rank=4))
+    assert "MoE" in slots_refusal(load_arch(hf_models["deepseek_v3"]), LoraConfig(rank=4))
+    assert "max_lora_rank" in slots_refusal(qwen3, LoraConfig(rank=1024))
+    # vLLM's max_lora_rank takes a few values: the smallest that holds every kind's rank
+    spec = SlotSpec(qwen3, LoraConfig(rank=4, kind_ranks={"mlp_fc1": 12}))
+    assert engine_kwargs(spec)["max_lora_rank"] == 16
+    assert engine_kwargs(None) == {}
+
+
 def test_the_adapters_change_the_model(hf_models, adapters):
     """The parity above is not vacuous: PEFT's model with these adapters differs from the base."""
     from megarl.checks.parity import fixed_tokens, hf_run

@@ -34,6 +34,11 @@ class AdapterSyncReport:
     messages: int               # point-to-point sends posted by this rank
     sync_seconds: float         # the adapters' move and load (the base's sync not included)
 
+    @property
+    def engine_bytes(self) -> int:
+        """What this rank's engine took in: the adapters, and the base when this push wrote it."""
+        return self.local_bytes + self.bytes_received + (self.base.engine_bytes if self.base else 0)
+
 
 def push_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightDestination,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, links: Optional[Links] = None):

@@ -54,6 +54,11 @@ class SyncReport:
     model_bytes: int          # every full tensor of the model once
     largest_tensor_bytes: int  # this rank's largest destination module (opened at once)
 
+    @property
+    def engine_bytes(self) -> int:
+        """What this rank's engine took in: from its own parameters and from other ranks."""
+        return self.local_bytes + self.bytes_received
+
 
 def layout_tensors(arch: ModelArch, layout: WeightLayout, role: str = "policy"):
     """Every receiving rank's destination tensors for a destination's declared layout, keyed by

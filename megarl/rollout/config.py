@@ -7,10 +7,12 @@ the others) or what reads them (prompts.py, builder.py, turns.py, the trainer's 
 """
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megarl.rollout.agent_loop import AgentConfig
 from megarl.rollout.prompts import OVERLONG, RecordKeys
 from megarl.rollout.turns import INTERRUPTS
+from megarl.rollout.vllm_lora import SlotSpec
 
 
 @dataclass(frozen=True)
@@ -97,3 +99,4 @@ class EngineSpec:
     rollout_ep: int = 1
     return_routing: bool = False  # each sample carries its tokens' experts (MoE)
     router_fp32: bool = True  # MoE gates in fp32, as the trainer's
+    lora_slots: Optional[SlotSpec] = None  # the actor's adapters served from vLLM's LoRA slots

@@ -14,10 +14,13 @@ from megarl.algos.advantages import ADVANTAGE_ESTIMATORS, LONE_GROUPS, WHITENED_
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.critic.config import CriticConfig
 from megarl.evaluation.config import EvalConfig
+from megarl.models import peft_io
+from megarl.models.hf_config import ModelArch
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import RewardTable
 from megarl.rollout.config import AsyncConfig, DataConfig, EngineSpec, GenerationConfig
+from megarl.rollout.vllm_lora import SlotSpec, slots_refusal
 
 
 @dataclass(frozen=True)
@@ -246,12 +249,15 @@ class RunConfig:
     def engine_returns_routing(self) -> bool:
         return self.generation.return_routing or self.actor.router_replay == "rollout"
 
-    def engine_spec(self, dtype: str) -> EngineSpec:
-        """The engines' settings from the model, layout and actor sections; `dtype` the
-        checkpoint's (ModelArch.dtype)."""
-        return EngineSpec(self.model.hf_dir, dtype, self.seed, rollout_tp=self.layout.rollout_tp,
+    def engine_spec(self, arch: ModelArch) -> EngineSpec:
+        """The engines' settings from the model, layout and actor sections for the checkpoint's
+        `arch`. A LoRA actor's adapters go into vLLM's LoRA slots where the engine can serve
+        them (vllm_lora.slots_refusal), else the sync merges them into the weights it sends."""
+        adapters = peft_io.run_config(self.actor.lora, self.model.lora_init, arch)
+        slots = SlotSpec(arch, adapters) if adapters and not slots_refusal(arch, adapters) else None
+        return EngineSpec(self.model.hf_dir, arch.dtype, self.seed, rollout_tp=self.layout.rollout_tp,
                           rollout_ep=self.layout.rollout_ep, return_routing=self.engine_returns_routing,
-                          router_fp32=self.model.router_fp32)
+                          router_fp32=self.model.router_fp32, lora_slots=slots)
 
     @property
     def eval_config(self) -> EvalConfig:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megarl.algos.staleness import sequence_lags
 from megarl.models.hf_config import ModelArch
 from megarl.parallel_state.roles import Role
-from megarl.resharding.sync import sync_weights
+from megarl.resharding.adapter_sync import push_weights
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.collect import scored
 from megarl.rollout.engine import WeightLayout, WeightUpdateReport
@@ -61,6 +61,12 @@ class RemoteEngine:
     def finish_weight_update(self) -> WeightUpdateReport:
         return WeightUpdateReport(params_expected=0, params_loaded=0)
 
+    def needs_base_weights(self) -> bool:
+        return False  # the rollout ranks say whether theirs do
+
+    def load_adapters(self, tensors: Dict[str, torch.Tensor]) -> None:
+        raise RuntimeError("the adapter sync loads adapters into a trainer rank")
+
 
 class DisaggregatedRollouts:
     def __init__(self, config: RunConfig, role: Role, tokenizer, prompts: List[Prompt],
@@ -68,9 +74,7 @@ class DisaggregatedRollouts:
         self.config, self.role, self.tokenizer = config, role, tokenizer
         self.prompts, self.sampler, self.scorer = prompts, sampler, scorer
         self.channel = RolloutChannel(role.store)
-        layout = config.layout
-        self.engine = RemoteEngine(WeightLayout("vllm", layout.rollout_world_size, layout.rollout_tp,
-                                                layout.rollout_ep, first_rank=role.first_rollout_rank))
+        self.engine = None  # a RemoteEngine, once the first push knows the model (its LoRA slots)
         self.version = None  # of the weights last pushed
         self.weights = None  # (chunks, arch) of the actor: pushed again to a replaced engine
         self.requested = 0  # held-out evaluations requested so far
@@ -95,6 +99,12 @@ class DisaggregatedRollouts:
 
     def push_weights(self, chunks: List[torch.nn.Module], arch: ModelArch, version: int) -> None:
         first = self.version is None
+        if first:
+            layout = self.config.layout
+            self.engine = RemoteEngine(WeightLayout(
+                "vllm", layout.rollout_world_size, layout.rollout_tp, layout.rollout_ep,
+                first_rank=self.role.first_rollout_rank,
+                adapters=self.config.engine_spec(arch).lora_slots is not None))
         self.version, self.weights = version, (chunks, arch)
         if first and self.role.rank == 0:  # where the rollout side starts drawing
             self.channel.start(self.role.generation, Start(version, self.sampler.state_dict()))
@@ -110,7 +120,7 @@ class DisaggregatedRollouts:
             chunks, arch = self.weights
             failure = None
             try:
-                sync_weights(chunks, arch, self.engine, self.config.layout.sync_bucket_mb * 2**20,
+                push_weights(chunks, arch, self.engine, self.config.layout.sync_bucket_mb * 2**20,
                              links=self.role.bridge)
             except RuntimeError as error:  # an engine died: "Connection closed by peer", or the bridge's
                 # wait ran past collective_timeout_s (NCCL, or a peer that never answers: links.py)

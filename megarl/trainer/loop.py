@@ -65,7 +65,7 @@ def _colocated_side(config: RunConfig, arch: ModelArch) -> RolloutSide:
     """This rank's rollout side, its engine asleep. Made before any training state: on a GPU vLLM
     starts only with gpu_memory_utilization x the device free, and its weights come from each
     step's sync."""
-    side = build_rollout_side(config.engine_spec(arch.dtype), config.data, config.generation)
+    side = build_rollout_side(config.engine_spec(arch), config.data, config.generation)
     side.engine.release_memory()
     return side
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from megarl.models.hf_config import arch_from_hf_config, load_hf_config
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.roles import Role
-from megarl.resharding.sync import sync_weights
+from megarl.resharding.adapter_sync import push_weights
 from megarl.rollout.builder import build_rollout_side
 from megarl.rollout.prompts import PromptSampler
 from megarl.rollout.shares import SharedDraws
@@ -76,7 +76,7 @@ def serve(config: RunConfig, role: Role) -> None:
     """Generate until the trainer stops the run. Collective over this generation's rollout ranks."""
     data = config.data
     arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
-    side = build_rollout_side(config.engine_spec(arch.dtype), data, config.generation,
+    side = build_rollout_side(config.engine_spec(arch), data, config.generation,
                               sync_first_rank=role.first_rollout_rank)
     tokenizer, prompts, engine, producer = side.tokenizer, side.prompts.prompts, side.engine, side.producer
     channel = RolloutChannel(role.store)
@@ -103,7 +103,7 @@ def serve(config: RunConfig, role: Role) -> None:
             if evaluations is not None:
                 evaluations.drop()
             driver.pause()
-            sync_weights([], arch, engine, bucket, links=role.bridge)
+            push_weights([], arch, engine, bucket, links=role.bridge)
             version += 1
             driver.weights_updated(version)
             clock.lap("sync_s")

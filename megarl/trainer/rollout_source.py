@@ -24,7 +24,7 @@ from megarl.algos.shaping import informative_groups
 from megarl.evaluation.evaluator import evaluate
 from megarl.evaluation.sets import HeldOut
 from megarl.models.hf_config import ModelArch
-from megarl.resharding.sync import sync_weights
+from megarl.resharding.adapter_sync import push_weights
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.collect import Collected, collect, keep_informative
 from megarl.rollout.engine import SamplingConfig, StreamingEngine
@@ -145,9 +145,10 @@ class ColocatedRollouts:
 
         def sync():
             start = time.perf_counter()
-            sync_weights(pushed.chunks, pushed.arch, self.engine,
-                         bucket_bytes=self.config.layout.sync_bucket_mb * 2**20)
+            report = push_weights(pushed.chunks, pushed.arch, self.engine,
+                                  bucket_bytes=self.config.layout.sync_bucket_mb * 2**20)
             handoff["sync_seconds"] = time.perf_counter() - start
+            handoff["sync_bytes"] = report.engine_bytes
 
         with device_to_engine(self.actor, self.others, self.engine, sync,
                               self.config.offload_params) as offloaded:
@@ -159,7 +160,10 @@ class ColocatedRollouts:
         prompts are drawn, up to algo.dynamic_sampling_rounds extra rounds."""
         with self._engine_with(number - 1, f"step {number}") as handoff:
             rollouts = self._rounds(number)
-        return replace(rollouts, metrics={**rollouts.metrics, "memory/offloaded_bytes": handoff["offloaded"]},
+        # sync/engine_bytes: what this rank's engine took in (with LoRA slots, the adapters alone
+        # after the first sync)
+        return replace(rollouts, metrics={**rollouts.metrics, "memory/offloaded_bytes": handoff["offloaded"],
+                                          "sync/engine_bytes": handoff["sync_bytes"]},
                        sync_seconds=handoff["sync_seconds"])
 
     def evaluate(self, version: int) -> Dict[str, float]:
