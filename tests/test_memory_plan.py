@@ -45,6 +45,27 @@ def test_meta_model_holds_what_the_sync_layout_says(config, fields):
         assert params.expert == sum(p.numel for p in mine if ".experts." in p.canonical), stage
 
 
+def test_a_lora_actor_trains_its_adapters_alone():
+    """held_params with LoRA (the meta model with the run's adapters attached) at Qwen3-30B-A3B
+    TP4 PP2 EP8, rank 16 on every kind, against PEFT's shapes counted by hand per rank: a
+    column-parallel projection keeps A [r, in] whole and cuts B [out, r] by TP, a row-parallel
+    one cuts A; each of a rank's 16 local experts has its own. Only they train; the base stays."""
+    from megarl.models.lora import LoraConfig
+
+    arch, r = arch_from_hf_config(QWEN3_30B_A3B), 16
+    dims = ParallelDims(world_size=32, tp=4, pp=2, ep=8, etp=1)
+    hidden, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    attention = r * (3 * hidden + (q + 2 * kv) // 4) + r * (q // 4 + hidden)  # q, k, v; o
+    width = QWEN3_30B_A3B["moe_intermediate_size"]
+    experts = arch.num_experts // 8 * (r * (hidden + 2 * width) + r * (width + hidden))  # gate_up; down
+    layers = arch.num_layers // 2
+    full = held_params(arch, dims)
+    for stage, held in held_params(arch, dims, lora=LoraConfig(rank=r)).items():
+        assert (held.dense, held.expert) == (layers * attention, layers * experts), held
+        assert held.frozen == full[stage].elements
+        assert held.bytes == full[stage].bytes + held.elements * 2  # bf16 adapters beside the base
+
+
 @pytest.mark.parametrize("config,fields,rollout", [
     (QWEN3_30B_A3B, dict(world_size=8, tp=2, ep=4, etp=1), RolloutLayout(4)),
     (MIXTRAL_8X7B, dict(world_size=8, tp=2, pp=2, ep=2), RolloutLayout(8, 8)),

@@ -10,10 +10,11 @@ marks them allreduce=False). Everything else a rank holds is sized from these co
 
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from megarl.models.builder import build_model
 from megarl.models.hf_config import ModelArch
+from megarl.models.lora import LoraConfig, attach
 from megarl.models.param_layout import WEIGHT_BUFFERS
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
@@ -21,10 +22,11 @@ from megarl.parallel_state.dims import ParallelDims
 
 @dataclass(frozen=True)
 class HeldParams:
-    dense: int  # elements whose gradients are reduced over DP x CP
-    expert: int  # elements whose gradients are reduced over expert-DP
+    dense: int  # trained elements whose gradients are reduced over DP x CP
+    expert: int  # trained elements whose gradients are reduced over expert-DP
     buffers: int  # elements of weight buffers (the fp32 router expert bias): no gradient
-    bytes: int  # the parameters' and weight buffers' own bytes (each in its dtype)
+    bytes: int  # the parameters' and weight buffers' own bytes (each in its dtype), frozen ones too
+    frozen: int = 0  # parameters' elements without gradient or optimizer state (a LoRA run's base)
 
     @property
     def elements(self) -> int:
@@ -38,21 +40,26 @@ def stage_ranks(dims: ParallelDims) -> List[int]:
     return [stage * per_stage for stage in range(dims.pp)]
 
 
-def held_params(arch: ModelArch, dims: ParallelDims, role: str = "policy",
+def held_params(arch: ModelArch, dims: ParallelDims, role: str = "policy", lora: Optional[LoraConfig] = None,
                 **config_overrides) -> Dict[int, HeldParams]:
     """{pipeline stage: what each of its ranks holds} of `arch` at `dims`, built by build_model
-    on the meta device as each stage's first rank. Not inside a running job (fake_world)."""
+    on the meta device as each stage's first rank, with `lora`'s adapters attached as a LoRA run
+    attaches them (lora.attach: only they train). Not inside a running job (fake_world)."""
     held = {}
     for stage, rank in enumerate(stage_ranks(dims)):
         with megatron_groups.fake_world(dims, rank), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Megatron's notes on running the config
             chunks = build_model(arch, dims, role=role, meta=True, **config_overrides)
+            if lora is not None:
+                attach(chunks, arch, lora)
             params = [p for chunk in chunks for p in chunk.parameters()]
+            trained = [p for p in params if p.requires_grad]
             buffers = [b for chunk in chunks for name, b in chunk.named_buffers()
                        if WEIGHT_BUFFERS.search(name)]
-            expert = sum(p.numel() for p in params if not getattr(p, "allreduce", True))
-            total = sum(p.numel() for p in params)
+            expert = sum(p.numel() for p in trained if not getattr(p, "allreduce", True))
+            total = sum(p.numel() for p in trained)
             held[stage] = HeldParams(dense=total - expert, expert=expert,
                                      buffers=sum(b.numel() for b in buffers),
-                                     bytes=sum(t.numel() * t.element_size() for t in params + buffers))
+                                     bytes=sum(t.numel() * t.element_size() for t in params + buffers),
+                                     frozen=sum(p.numel() for p in params) - total)
     return held

@@ -126,7 +126,7 @@ class LoraAdapter(torch.nn.Module):
         self.hf_names = hf_names
         self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         for (short, hf), (out_full, in_full) in zip(hf_names.items(), self._full_shapes(base)):
-            a, b = _peft_init(f"{hf}.{short}.{expert}", self.rank, out_full, in_full)
+            a, b = _peft_init(f"{hf}.{short}.{expert}", self.rank, out_full, in_full, base.weight.is_meta)
             # in the base's dtype: a bf16 model's optimizer keeps fp32 main copies of both
             self.A[short] = torch.nn.Parameter(self.local(a, "A").to(base.weight.dtype))
             self.B[short] = torch.nn.Parameter(self.local(b, "B").to(base.weight.dtype))
@@ -191,7 +191,9 @@ class LoraAdapter(torch.nn.Module):
         return self._fuse([b @ a for a, b in zip(self.A.values(), self.B.values())]) * self.scaling
 
 
-def _peft_init(hf_name: str, rank: int, out_full: int, in_full: int):
+def _peft_init(hf_name: str, rank: int, out_full: int, in_full: int, meta: bool = False):
+    if meta:  # a model built to be counted (models/held_params.py): shapes only
+        return torch.empty(rank, in_full, device="meta"), torch.empty(out_full, rank, device="meta")
     generator = torch.Generator().manual_seed(zlib.crc32(hf_name.encode()))
     a = torch.empty(rank, in_full)
     bound = 1 / math.sqrt(in_full)  # kaiming_uniform_(a=sqrt(5)) on [r, in], as nn.Linear and PEFT

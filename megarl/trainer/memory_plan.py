@@ -7,8 +7,10 @@ verdict: each phase's peak, the binding phase, and the knobs that would make it 
 
 Every quantity comes from the code that sizes the real run, not a second copy of it:
   parameters        Megatron-Core's model built on the meta device for each pipeline stage
-                    (models/held_params.py, the run's build_model)
-  gradients         DDP's buffer, one GRAD_DTYPE element per parameter (actor/optimizer.py)
+                    (models/held_params.py, the run's build_model), a LoRA actor's adapters
+                    attached as the run attaches them (models/lora.py)
+  gradients         DDP's buffer, one GRAD_DTYPE element per trained parameter (actor/optimizer.py;
+                    a LoRA actor's adapters alone)
   optimizer         Adam's shard per rank, device and host parts (optimizer.optimizer_bytes): dense
                     parameters over DP x CP, experts' over expert-DP (distributed optimizer)
   activations       models/activation_memory.py, for the micro-batch the packing budget allows
@@ -35,9 +37,11 @@ from typing import Dict, List, Optional, Tuple
 from megarl.actor.optimizer import GRAD_DTYPE, NO_OFFLOAD, OptimizerOffloadConfig, optimizer_bytes
 from megarl.actor.packing import plan_micro_batches
 from megarl.algos.vocab_parallel import working_bytes
+from megarl.models import peft_io
 from megarl.models.activation_memory import layer_elements, stage_bytes_per_token
 from megarl.models.held_params import HeldParams, held_params
 from megarl.models.hf_config import DTYPES, ModelArch
+from megarl.models.lora import LoraConfig
 from megarl.models.megatron_config import NO_RECOMPUTE, RecomputeConfig, padded_vocab_size
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.destination import RolloutLayout, hf_tensors, vllm_rank_tensors
@@ -80,6 +84,7 @@ class MemoryRequest:
     reward_models: Tuple[ModelArch, ...] = ()  # rm: judges, parameters only
     runtime_bytes: float = 0.0  # not PyTorch tensors: CUDA context, NCCL, fragmentation
     colocated: bool = True  # False: engines on rollout ranks of their own (not planned here)
+    actor_lora: Optional[LoraConfig] = None  # the actor trains these adapters alone (base frozen)
 
 
 @dataclass
@@ -177,7 +182,7 @@ def plan_memory(request: MemoryRequest) -> List[StagePlan]:
     """Every pipeline stage's terms and phase peaks (its ranks hold the same; the engine and sync
     terms are the busiest rank's). Builds each stage on the meta device: not inside a job."""
     arch, dims = request.arch, request.dims
-    actor = held_params(arch, dims, "policy")
+    actor = held_params(arch, dims, "policy", lora=request.actor_lora)
     critic = held_params(arch, dims, "value") if request.critic is not None else None
     rewards = sum(max(h.bytes for h in held_params(rm, dims, "value").values())
                   for rm in request.reward_models)
@@ -306,4 +311,5 @@ def request_for_run(config, arch: ModelArch, dims: ParallelDims, device_bytes: f
         engine_fraction=config.generation.gpu_memory_utilization,
         kv_cache_bytes=config.generation.kv_cache_gib * 2**30,
         bucket_bytes=layout.sync_bucket_mb * 2**20, export_hf=config.checkpoint.export_hf,
-        reward_models=reward_models, runtime_bytes=runtime_bytes, colocated=not layout.disaggregated)
+        reward_models=reward_models, runtime_bytes=runtime_bytes, colocated=not layout.disaggregated,
+        actor_lora=peft_io.run_config(config.actor.lora, config.model.lora_init, arch))
