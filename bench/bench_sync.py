@@ -10,6 +10,9 @@ the Megatron actor, builds a colocated vLLM engine, and times:
   floor  one copy_ of the model's bytes into a buffer already written once, in one process
          (memory bandwidth alone, median); the same copy into a fresh buffer (torch.empty +
          copy_, page faults included: the floor before issue 33) is reported beside it,
+  lora   (cases named -loraR) rank-R adapters on every linear: after a first sync writes the base,
+         the adapters alone into vLLM's LoRA slots against the full sync with them merged in
+         (what a run sends without slots), bytes per rank and seconds (lora_worker),
   naive  what other trainers do (verl's per-tensor generator, slime's TP/EP gather): each full tensor
          assembled with tensor collectives within the groups that hold its pieces (PP broadcast,
          TP or expert-TP all-gather, EP all-gather; nothing pickled, DP replicas send nothing),
@@ -73,6 +76,7 @@ class Case:
     rollout_tp: int = 1
     naive: bool = True
     logprob_check: bool = False
+    lora_rank: int = 0  # > 0: LoRA adapters of this rank on every linear, synced into vLLM's slots
 
     @property
     def name(self) -> str:
@@ -83,7 +87,8 @@ class Case:
         """The case without its model: cases sharing it form one model-size series."""
         layout = "".join(f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep))
                          if v != 1) + ("" if self.etp is None else f"etp{self.etp}")
-        return f"{self.dtype}-w{self.world}-{layout or 'dp'}-rtp{self.rollout_tp}"
+        lora = f"-lora{self.lora_rank}" if self.lora_rank else ""
+        return f"{self.dtype}-w{self.world}-{layout or 'dp'}-rtp{self.rollout_tp}{lora}"
 
 
 def _dense_layouts(model: str, dtype: str, naive_world: int = 4, max_world: int = 4) -> List[Case]:
@@ -108,7 +113,9 @@ def quick_cases() -> List[Case]:
             Case(small, "float32", 4, tp=2, rollout_tp=1),
             Case(small, "float32", 4, tp=2, pp=2, rollout_tp=1),
             Case("qwen3moe-60m", "float32", 4, tp=2, ep=2, etp=1, rollout_tp=2, logprob_check=True),
-            Case("qwen3-45m", "float32", 2, tp=2, rollout_tp=2)]
+            Case("qwen3-45m", "float32", 2, tp=2, rollout_tp=2),
+            Case(small, "float32", 2, tp=2, rollout_tp=2, lora_rank=16, naive=False,
+                 logprob_check=True)]
 
 
 def full_cases() -> List[Case]:
@@ -125,6 +132,8 @@ def full_cases() -> List[Case]:
         cases += [Case(model, "bfloat16", 2, tp=2, rollout_tp=2),
                   Case(model, "bfloat16", 2, tp=2, rollout_tp=1)]
     moe = "qwen3moe-60m"
+    cases += [Case(model, "float32", 2, tp=2, rollout_tp=2, lora_rank=16, naive=False, logprob_check=True)
+              for model in ("qwen3-45m", "qwen3-150m")]
     cases += [Case(moe, "float32", 2, ep=2, rollout_tp=1),
               Case(moe, "float32", 2, ep=2, rollout_tp=2),
               Case(moe, "float32", 2, tp=2, ep=2, etp=1, rollout_tp=2),
@@ -169,6 +178,8 @@ def run_case(case: Case, hf_dir: str, args) -> dict:
         cmd.append("--no-naive")
     if case.logprob_check:
         cmd.append("--logprob-check")
+    if case.lora_rank:
+        cmd += ["--lora-rank", str(case.lora_rank)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
     wall = time.perf_counter() - start
@@ -196,7 +207,10 @@ def _fit(points: List[tuple]) -> dict:
 
 
 def summarize(results: List[dict], cases: List[Case]) -> dict:
-    ok = {r["case"]: r for r in results if "error" not in r}
+    lora = {r["case"]: {k: r[k] for k in ("adapter_bytes_per_rank", "full_bytes_per_rank", "bytes_ratio",
+                                          "adapter_sync_seconds", "full_sync_seconds", "speedup")}
+            for r in results if "error" not in r and "lora_rank" in r}
+    ok = {r["case"]: r for r in results if "error" not in r and "lora_rank" not in r}
     by_name = {c.name: c for c in cases if c.name in ok}
     series: Dict[str, List[tuple]] = {}
     for name, case in by_name.items():
@@ -229,11 +243,11 @@ def summarize(results: List[dict], cases: List[Case]) -> dict:
         "received_within_1.1x_own_shard": all(r["max_received_over_shard"] <= 1.1
                                               for r in ok.values()) if ok else None,
     }
-    return {"summary": True, "cases": len(results), "failed": sorted(set(r["case"] for r in results)
-                                                                     - set(ok)),
+    failed = sorted(r["case"] for r in results if "error" in r)
+    return {"summary": True, "cases": len(results), "failed": failed,
             "targets": TARGETS, "holds": holds,
             "ratio_to_floor_same_tp": same_tp, "speedup_over_naive_4_ranks": at_4,
-            "tp2_over_tp1": tp_ratios, "size_scaling": size_scaling,
+            "tp2_over_tp1": tp_ratios, "size_scaling": size_scaling, "lora_adapter_sync": lora,
             "seconds_per_gb": {n: round(ok[n]["sync_seconds"] / (ok[n]["model_bytes"] / 1e9), 3)
                                for n in by_name}}
 
@@ -475,6 +489,8 @@ def worker(args) -> None:
     arch = load_arch(args.hf_dir, dtype=args.dtype)
     chunks = build_model(arch, dims, perform_initialization=False)
     load_hf_weights(chunks, arch, args.hf_dir)
+    if args.lora_rank:
+        return lora_worker(args, chunks, arch, dims)
     vllm = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, dtype=arch.dtype, max_model_len=128)
     engine = TimedEngine(vllm)
     bucket_bytes = int(args.bucket_mb * 2**20)
@@ -508,6 +524,61 @@ def worker(args) -> None:
     megatron_groups.destroy()
 
 
+def lora_worker(args, chunks, arch, dims) -> None:
+    """LoRA adapters (rank --lora-rank, every linear) on the actor: after a first sync writes the
+    base, the adapters alone into vLLM's LoRA slots (resharding.adapter_sync.push_weights), timed
+    against the full sync with the adapters merged in (what a run sends without slots), both the
+    median of --repeats; bytes per rank as the transport counted them. The engine is then
+    restored (base, then adapters) and its log-probs checked against the adapted actor."""
+    import torch
+    import torch.distributed as dist
+
+    from megarl.checks import weight_sync as verify
+    from megarl.models import peft_io
+    from megarl.models.lora import LoraConfig
+    from megarl.parallel_state import megatron_groups
+    from megarl.resharding import sync_weights
+    from megarl.resharding.adapter_sync import push_weights
+    from megarl.rollout.vllm_engine import VLLMEngine
+    from megarl.rollout.vllm_lora import SlotSpec
+
+    config = LoraConfig(rank=args.lora_rank)
+    peft_io.start(chunks, arch, config, None)
+    verify.perturb_adapters(chunks, 0.5, seed=0)  # PEFT starts B at zero: make the adapters matter
+    engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, dtype=arch.dtype, max_model_len=128,
+                        lora_slots=SlotSpec(arch, config))
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    first = push_weights(chunks, arch, engine, bucket_bytes)  # the base and the plan, once
+    def timed(call):
+        start = time.perf_counter()
+        report = call()
+        return time.perf_counter() - start, report
+
+    adapter = [timed(lambda: push_weights(chunks, arch, engine, bucket_bytes)) for _ in range(args.repeats)]
+    full = [timed(lambda: sync_weights(chunks, arch, engine, bucket_bytes)) for _ in range(args.repeats)]
+    reports = adapter[-1][1], full[-1][1]
+    adapter_seconds, full_seconds = [t for t, _ in adapter], [t for t, _ in full]
+    sync_weights(chunks, arch, engine, bucket_bytes, merge_adapters=False)  # the base back, unmerged
+    push_weights(chunks, arch, engine, bucket_bytes)
+    mine = torch.tensor([reports[0].engine_bytes, reports[1].engine_bytes, reports[0].bytes_sent],
+                        dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    result = {"family": arch.family, "dtype": arch.dtype, "layout": dims.describe(),
+              "lora_rank": args.lora_rank, "rollout_tp": args.rollout_tp, "world_size": dist.get_world_size(),
+              "model_bytes": first.base.model_bytes, "adapter_bytes": reports[0].adapter_bytes,
+              "adapter_bytes_per_rank": int(mine[0]), "full_bytes_per_rank": int(mine[1]),
+              "adapter_bytes_sent_per_rank": int(mine[2]),
+              "bytes_ratio": round(float(mine[0] / mine[1]), 5),
+              "adapter_sync_seconds": round(statistics.median(adapter_seconds), 5),
+              "full_sync_seconds": round(statistics.median(full_seconds), 5),
+              "speedup": round(statistics.median(full_seconds) / statistics.median(adapter_seconds), 2),
+              "max_abs_logprob_diff": _logprob_diff(chunks, arch, engine) if args.logprob_check else None}
+    if dist.get_rank() == 0:
+        print(RESULT_TAG + json.dumps(result), flush=True)
+    engine.shutdown()
+    megatron_groups.destroy()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -526,6 +597,7 @@ def main():
     parser.add_argument("--etp", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--no-naive", dest="naive", action="store_false", help=argparse.SUPPRESS)
     parser.add_argument("--logprob-check", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--lora-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)

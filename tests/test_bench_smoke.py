@@ -86,6 +86,21 @@ def test_bench_sync(tmp_path):
     assert summary["summary"] and summary["cases"] == 1 and summary["failed"] == [], summary
 
 
+def test_bench_sync_lora(tmp_path):
+    """The LoRA case: after the base is written, the adapters alone into vLLM's slots, against the
+    full merged sync: each rank takes in the adapters' bytes (a few % of its shard's) and the
+    engine then matches the adapted actor."""
+    case = "qwen3-20m-float32-w2-tp2-rtp2-lora16"
+    result, summary = _json_lines("bench/bench_sync.py", "--quick", "--only", case, "--repeats", "1",
+                                  "--out", str(tmp_path))
+    assert result["case"] == case and "error" not in result, result
+    assert result["adapter_bytes_per_rank"] == result["adapter_bytes"] > 0, result
+    assert result["full_bytes_per_rank"] == result["model_bytes"] // 2, result  # TP2: half each
+    assert result["bytes_ratio"] < 0.05 and result["adapter_sync_seconds"] > 0, result
+    assert result["max_abs_logprob_diff"] <= 1e-4, result
+    assert summary["failed"] == [] and case in summary["lora_adapter_sync"], summary
+
+
 def test_bench_sync_plan(one_process):
     (result,) = one_process("test_bench_sync_plan")
     assert result["plans_built"] == 1 and result["reused_same_plan"], result  # built once, then found
