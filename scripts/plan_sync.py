@@ -79,7 +79,46 @@ def _parser() -> argparse.ArgumentParser:
                         help="above this many destination regions, plan one engine per distinct placement")
     parser.add_argument("--all-engines", action="store_true", help="plan every engine, however many")
     parser.add_argument("--show", type=int, default=8, help="ranks listed when there are more than 16")
+    parser.add_argument("--lora", default=None, metavar="rank=R[,alpha=A][,targets=K+K]",
+                        help="a LoRA actor (targets: module kinds joined by +, default all): also plan "
+                             "the adapters-only sync into vLLM's LoRA slots that follows the first "
+                             "(which writes the base: the plan above), or say why the adapters are "
+                             "merged and every sync is the plan above (key 'lora')")
     return parser
+
+
+def lora_config(text: str):
+    """--lora's LoraConfig; ValueError names a bad part."""
+    from megarl.models.lora import LoraConfig
+
+    fields = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key == "rank":
+            fields["rank"] = int(value)
+        elif key == "alpha":
+            fields["alpha"] = float(value)
+        elif key == "targets":
+            fields["targets"] = tuple(value.split("+"))
+        else:
+            raise ValueError(f"--lora {text!r}: {part!r} is not rank=, alpha= or targets=")
+    if not fields.get("rank"):
+        raise ValueError(f"--lora {text!r}: give rank=R (R >= 1)")
+    return LoraConfig(**fields)
+
+
+def plan_lora(result: cp.ClusterPlan, config) -> dict:
+    """The adapters-only sync at the plan's layout (resharding/adapter_plan.py), or why there is none."""
+    from megarl.resharding import adapter_plan
+    from megarl.rollout.vllm_lora import slots_refusal
+
+    refusal = slots_refusal(result.arch, config)
+    if refusal:
+        return {"slots": False, "why": refusal}
+    node_of = [rank // result.gpus_per_node for rank in range(result.world)]
+    held = adapter_plan.layout_shards(result.arch, result.dims, config)
+    return {"slots": True, "rank": config.rank, "targets": list(config.targets),
+            **adapter_plan.plan_adapters(held, range(result.world), node_of, result.links)}
 
 
 def _load_config(path: str) -> dict:
@@ -123,8 +162,9 @@ def _table(result: cp.ClusterPlan, show: int) -> None:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
 
 
-def report(result: cp.ClusterPlan, show: int = 8) -> dict:
-    """Print the plan's figures; the last line is the summary as JSON (also returned)."""
+def report(result: cp.ClusterPlan, show: int = 8, lora=None) -> dict:
+    """Print the plan's figures; the last line is the summary as JSON (also returned). `lora`: a
+    LoraConfig whose adapters-only sync is planned too."""
     summary = result.summary()
     arch, dims, timing = result.arch, result.dims, result.timing
     params = result.model_bytes / cp.DTYPES[arch.dtype].itemsize
@@ -157,18 +197,37 @@ def report(result: cp.ClusterPlan, show: int = 8) -> dict:
           f"(busiest rank alone) .. {timing.seconds_barrier:.3f} (every phase a barrier); the busiest "
           f"rank's largest term: {summary['floor']} ({terms[summary['floor']]:.3f} s of "
           f"{sum(terms.values()):.3f})")
+    if lora is not None:
+        summary["lora"] = plan_lora(result, lora)
+        _lora_lines(summary["lora"], summary["seconds"])
     print(json.dumps(summary))
     return summary
+
+
+def _lora_lines(plan: dict, full_seconds: float) -> None:
+    if not plan["slots"]:
+        print(f"LoRA: the adapters are merged into the weights each sync ({plan['why']}): every sync "
+              "is the plan above")
+        return
+    busiest = plan["busiest_rank"]
+    print(f"LoRA rank {plan['rank']} ({'+'.join(plan['targets'])}): the first sync writes the base (the "
+          f"plan above); each later one moves the adapters alone: {cp.gb(plan['adapter_bytes'])} onto "
+          f"each of {plan['receivers']} engine ranks, {plan['shards']} shards; per rank, max: sent "
+          f"{cp.gb(plan['max_sent_bytes'])} ({cp.gb(plan['max_sent_inter_bytes'])} across nodes), "
+          f"{plan['max_messages']} messages; {plan['seconds']:.4f} s against {full_seconds:.3f} s "
+          f"(busiest rank {busiest['rank']}: {cp.gb(busiest['local_bytes'])} local, "
+          f"{cp.gb(busiest['recv_intra'] + busiest['recv_inter'])} received)")
 
 
 def main(argv=None) -> dict:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        lora = lora_config(args.lora) if args.lora else None
         result = build(args)
     except ValueError as error:
         parser.error(str(error))
-    return report(result, args.show)
+    return report(result, args.show, lora)
 
 
 if __name__ == "__main__":

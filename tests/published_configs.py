@@ -32,6 +32,28 @@ QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B: 30.5B parameters, 3.3B activated
     "vocab_size": 151936,
 }
 
+QWEN3_32B = {  # Qwen/Qwen3-32B: 32.8B parameters, dense
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "max_position_embeddings": 40960,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 64,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
 QWEN3_235B_A22B = {  # Qwen/Qwen3-235B-A22B: 235B parameters, 22B activated
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",

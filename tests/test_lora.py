@@ -138,11 +138,12 @@ SLOT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(SLOT_CASES))
-def test_a_sync_into_lora_slots_sends_the_adapters_alone(case, verified_sync, adapters):
+def test_a_sync_into_lora_slots_sends_the_adapters_alone(case, verified_sync, adapters, hf_models):
     """The first sync writes the base weights; after the adapters move (as training moves them),
     the second sends only them. vLLM serving them from its LoRA slot then matches the adapted
     actor, and every engine rank took in exactly the adapters' bytes, as the transport counted
-    them (local + received), which are the PEFT folder's tensors' bytes."""
+    them (local + received), which are the PEFT folder's tensors' bytes; the planner
+    (resharding/adapter_plan.py, scripts/plan_sync.py --lora) gives each rank's counts."""
     from safetensors.torch import load_file
 
     world, model, flags = SLOT_CASES[case]
@@ -158,6 +159,20 @@ def test_a_sync_into_lora_slots_sends_the_adapters_alone(case, verified_sync, ad
     assert sum(synced["bytes_sent"]) == sum(synced["bytes_received"]) > 0, synced
     assert synced["adapter_bytes"] * 20 < result["model_bytes"], synced
     assert all(m == 1 for m in synced["messages"]), synced  # one packed message to the one peer
+    # scripts/plan_sync.py --lora's figures at this layout are what the transport counted
+    from megarl.models import peft_io
+    from megarl.models.hf_config import load_arch
+    from megarl.parallel_state.dims import ParallelDims
+    from megarl.resharding.adapter_plan import layout_shards, rank_stats
+
+    arch = load_arch(hf_models[model])
+    dims = ParallelDims(world_size=world, **{f[2:]: int(v) for f, v in zip(flags[::2], flags[1::2])
+                                             if f in ("--tp", "--pp")})
+    planned = rank_stats(layout_shards(arch, dims, peft_io.read_config(adapters[model], arch)), range(world),
+                         [0] * world)
+    assert [s.local_bytes for s in planned.values()] == synced["local_bytes"]
+    assert [s.recv_intra for s in planned.values()] == synced["bytes_received"]
+    assert [s.sent_intra for s in planned.values()] == synced["bytes_sent"]
 
 
 def test_engines_take_adapters_into_slots_where_vllm_serves_them(hf_models):

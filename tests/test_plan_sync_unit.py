@@ -15,7 +15,7 @@ from megarl.resharding import cluster_plan as cp
 from megarl.resharding.destination import DestTensor, Region, RolloutLayout, vllm_layout
 from megarl.resharding.plan import Bucket, Copy, Plan, build_plan
 from megarl.resharding.source_layout import layout_pieces
-from tests.published_configs import DEEPSEEK_V3, KIMI_K2, QWEN3_30B_A3B, QWEN3_235B_A22B
+from tests.published_configs import DEEPSEEK_V3, KIMI_K2, QWEN3_30B_A3B, QWEN3_32B, QWEN3_235B_A22B
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -197,8 +197,28 @@ def test_the_script_prints_one_json_object_last(tmp_path, capsys):
     assert any(line.startswith("busiest rank, whole sync: rank ") for line in lines)
 
 
+def test_the_lora_plan_puts_every_adapter_on_every_engine_rank(capsys):
+    """--lora on a dense model: the adapters-only sync, its bytes PEFT's shapes counted by hand
+    (rank 16 on q, k, v, o, gate, up, down of 64 layers, bf16), each engine rank taking them all in
+    once; on a MoE model, why the adapters are merged instead."""
+    plan_sync, r = _script(), 16
+    args = ["--train", "tp=4,pp=2", "--rollout", "tp=4", "--nodes", "2", "--lora", f"rank={r}"]
+    summary = plan_sync.main(["--hf-config", os.path.join(ROOT, "docs", "configs", "qwen3-32b.json"), *args])
+    hidden, q, kv, ffn = 5120, 64 * 128, 8 * 128, 25600
+    per_layer = r * ((hidden + q) + 2 * (hidden + kv) + (q + hidden) + 2 * (hidden + ffn) + (ffn + hidden))
+    lora = summary["lora"]
+    assert lora["slots"] and lora["adapter_bytes"] == 64 * per_layer * 2, lora
+    assert lora["receiver_bytes"] == [lora["adapter_bytes"]] * 2 and lora["receivers"] == 16, lora
+    assert 0 < lora["seconds"] < summary["seconds"] / 10, (lora["seconds"], summary["seconds"])
+    assert "each later one moves the adapters alone" in capsys.readouterr().out
+    moe = plan_sync.main(["--hf-config", os.path.join(ROOT, "docs", "configs", "qwen3-30b-a3b.json"),
+                          "--train", "tp=2", "--rollout", "tp=2", "--nodes", "1", "--lora", "rank=8"])
+    assert not moe["lora"]["slots"] and "MoE" in moe["lora"]["why"], moe["lora"]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--train", "tp=2,bogus=1"], "unknown key 'bogus'"),
+    (["--lora", "rank=8,width=3"], "'width=3' is not rank=, alpha= or targets="),
     (["--rollout", "tp=3"], "rollout tp 3 must divide the 32 attention heads"),
     (["--nodes", "0"], "--nodes 0 and --gpus-per-node 8 must be positive"),
     (["--hf-config", "/nonexistent/config.json"], "no such file"),
@@ -215,6 +235,7 @@ def test_the_script_refuses_bad_flags(flags, message, capsys, tmp_path):
 
 def test_published_config_files_are_the_published_configs():
     for name, config in (("qwen3-30b-a3b", QWEN3_30B_A3B), ("qwen3-235b-a22b", QWEN3_235B_A22B),
+                         ("qwen3-32b", QWEN3_32B),
                          ("deepseek-v3", DEEPSEEK_V3), ("kimi-k2", KIMI_K2)):
         with open(os.path.join(ROOT, "docs", "configs", f"{name}.json")) as f:
             assert json.load(f) == config, name

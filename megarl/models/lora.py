@@ -135,23 +135,12 @@ class LoraAdapter(torch.nn.Module):
                 self._mark(param, self.split_dim(which), kind, base)
 
     def _full_shapes(self, base: torch.nn.Module) -> List[Tuple[int, int]]:
-        """(out, in) of each HF projection, from the base's local weight and the layout."""
-        out_local, in_local = base.weight.shape
-        if self.style == "replicated":
-            return [(out_local, in_local)]
-        if self.style == "row":
-            return [(out_local, in_local * self.tp_size)]
-        if self.transform == "qkv":
-            q, kv = self.arch.num_heads * self.arch.head_dim, self.arch.num_kv_heads * self.arch.head_dim
-            return [(q, in_local), (kv, in_local), (kv, in_local)]
-        parts = len(self.hf_names)
-        return [(out_local // parts * self.tp_size, in_local)] * parts
+        return full_shapes(self.style, self.transform, self.arch, len(self.hf_names),
+                           tuple(base.weight.shape), self.tp_size)
 
     def split_dim(self, which: str) -> Optional[int]:
         """The dimension this rank's piece of A or B is cut along (None: whole)."""
-        if self.tp_size == 1:
-            return None
-        return {("column", "B"): 0, ("row", "A"): 1}.get((self.style, which))
+        return split_dim(self.style, which, self.tp_size)
 
     def local(self, full: torch.Tensor, which: str) -> torch.Tensor:
         """This rank's piece of a whole A or B."""
@@ -189,6 +178,34 @@ class LoraAdapter(torch.nn.Module):
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A in the base weight's local layout, for merging into it."""
         return self._fuse([b @ a for a, b in zip(self.A.values(), self.B.values())]) * self.scaling
+
+
+def full_shapes(style: str, transform: str, arch: ModelArch, parts: int, local: Tuple[int, int],
+                tp_size: int) -> List[Tuple[int, int]]:
+    """(out, in) of each HF projection a base linear of `style` fuses (`parts` of them, joined by
+    `transform`), from the base's local weight shape and the TP size."""
+    out_local, in_local = local
+    if style == "replicated":
+        return [(out_local, in_local)]
+    if style == "row":
+        return [(out_local, in_local * tp_size)]
+    if transform == "qkv":
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        return [(q, in_local), (kv, in_local), (kv, in_local)]
+    return [(out_local // parts * tp_size, in_local)] * parts
+
+
+def split_dim(style: str, which: str, tp_size: int) -> Optional[int]:
+    """The dimension a TP rank's piece of A [r, in] or B [out, r] is cut along (None: whole): a
+    column-parallel base cuts B's rows, a row-parallel one A's columns."""
+    if tp_size == 1:
+        return None
+    return {("column", "B"): 0, ("row", "A"): 1}.get((style, which))
+
+
+def kind_of(kinds: Dict[str, Kind], canonical: str) -> Optional[str]:
+    """Which of `kinds` the linear whose weight is `canonical` is (None: none of them)."""
+    return next((k for k in kinds if _matches(kinds[k], canonical, r"\d+")), None)
 
 
 def _peft_init(hf_name: str, rank: int, out_full: int, in_full: int, meta: bool = False):
@@ -261,7 +278,7 @@ def attach(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig) -
             param.requires_grad_(False)
     for chunk in chunks:
         for name, module in list(chunk.named_modules()):
-            kind = next((k for k in kinds if _matches(kinds[k], name, r"\d+")), None)
+            kind = kind_of(kinds, name)
             if kind is None:
                 continue
             canonical = canonical_name(chunk, name + ".weight")

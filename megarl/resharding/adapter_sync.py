@@ -3,11 +3,11 @@ them from LoRA slots (WeightLayout.adapters), the whole model otherwise (sync.sy
 
 With slots, the base weights are frozen: the first sync writes them (unmerged) and every sync
 after it moves only the adapters. Each adapter shard (one TP piece of one A or B; DP and CP
-replicas hold the same bytes) goes from one rank that holds it to each rank of the destination,
-point to point over the sync's Links (all of one rank's parts for one peer in one message per
-dtype), and is counted by the transport (transport.Traffic) as it is posted. Each destination
-rank ends up with every adapter tensor whole, which vLLM cuts for its own tensor parallelism when
-it loads them (vllm_lora.py).
+replicas hold the same bytes) goes from a rank that holds it (adapter_plan.routes: the receiver
+itself, else one on its node) to each rank of the destination, point to point over the sync's
+Links (all of one rank's parts for one peer in one message per dtype), and is counted by the
+transport (transport.Traffic) as it is posted. Each destination rank ends up with every adapter
+tensor whole, which vLLM cuts for its own tensor parallelism when it loads them (vllm_lora.py).
 """
 
 import time
@@ -19,8 +19,8 @@ import torch
 from megarl.models import peft_io
 from megarl.models.hf_config import ModelArch
 from megarl.parallel_state.links import Links, WorldLinks
-from megarl.resharding import transport
-from megarl.resharding.sync import DEFAULT_BUCKET_BYTES, SyncReport, sync_weights
+from megarl.resharding import adapter_plan, transport
+from megarl.resharding.sync import DEFAULT_BUCKET_BYTES, SyncReport, node_of_ranks, sync_weights
 from megarl.rollout.engine import WeightDestination
 
 
@@ -65,28 +65,32 @@ def sync_adapters(chunks: List[torch.nn.Module], engine: WeightDestination, link
     start = time.perf_counter()
     mine = peft_io.local_shards(chunks)
     held = links.all_gather_object([(shard, tuple(t.shape), str(t.dtype)) for shard, t in mine])
-    owner: Dict[tuple, Tuple[int, peft_io.Shard, tuple, str]] = {}
-    for rank, items in enumerate(held):  # the lowest rank holding a shard sends it
+    holders: Dict[tuple, List[int]] = {}
+    meta: Dict[tuple, Tuple[peft_io.Shard, tuple, str]] = {}
+    for rank, items in enumerate(held):
         for shard, shape, dtype in items:
-            owner.setdefault(shard.slot, (rank, shard, shape, dtype))
-    if not owner:
+            holders.setdefault(shard.slot, []).append(rank)
+            meta[shard.slot] = (shard, shape, dtype)
+    if not holders:
         raise RuntimeError("adapter sync: no rank holds adapters (an actor without LoRA syncs whole)")
+    holders = {slot: holders[slot] for slot in sorted(holders, key=repr)}  # one order on every rank
     tensor_of = {shard.slot: tensor for shard, tensor in mine}
     receivers, me = _receivers(engine), links.rank
     outgoing: Dict[Tuple[int, str], List[torch.Tensor]] = {}  # (peer, dtype) -> what goes in one message
     incoming: Dict[Tuple[int, str], List[Tuple[peft_io.Shard, tuple]]] = {}
     received, traffic = [], transport.Traffic()
-    for slot in sorted(owner, key=repr):  # the same order on every rank: the messages' parts pair up
-        src, shard, shape, dtype = owner[slot]
-        if src == me:
-            for dst in receivers:
-                if dst != me:
-                    outgoing.setdefault((dst, dtype), []).append(tensor_of[slot].reshape(-1))
-        if me in receivers and src == me:
+    for slot, chosen in adapter_plan.routes(holders, receivers, node_of_ranks(links.size)).items():
+        shard, shape, dtype = meta[slot]
+        for receiver, sender in chosen.items():
+            if sender == me and receiver != me:
+                outgoing.setdefault((receiver, dtype), []).append(tensor_of[slot].reshape(-1))
+        if me not in chosen:
+            continue
+        if chosen[me] == me:
             received.append((shard, tensor_of[slot]))
             traffic.local_bytes += tensor_of[slot].numel() * tensor_of[slot].element_size()
-        elif me in receivers:
-            incoming.setdefault((src, dtype), []).append((shard, shape))
+        else:
+            incoming.setdefault((chosen[me], dtype), []).append((shard, shape))
     sends = [(torch.cat(parts), peer) for (peer, _), parts in outgoing.items()]
     recvs = [(torch.empty(sum(_numel(shape) for _, shape in parts), dtype=_dtype(dtype), device=links.device),
               peer) for (peer, dtype), parts in incoming.items()]
@@ -97,7 +101,7 @@ def sync_adapters(chunks: List[torch.nn.Module], engine: WeightDestination, link
         received += [(shard, piece.view(shape)) for (shard, shape), piece in zip(parts, pieces)]
     if me in receivers:
         engine.load_adapters(peft_io.assemble(received))
-    adapter_bytes = sum(_nbytes(shape, dtype) for *_, shape, dtype in owner.values())
+    adapter_bytes = sum(_nbytes(shape, dtype) for _, shape, dtype in meta.values())
     return AdapterSyncReport(base=base, adapter_bytes=adapter_bytes,
                              bytes_received=sum(traffic.received.values()),
                              bytes_sent=sum(traffic.sent.values()), local_bytes=traffic.local_bytes,
