@@ -12,12 +12,14 @@ failure recorded and the next run:
                     cuda (torch.cuda.max_memory_allocated), tiny ones on cpu (the resident set)
   bench_train_*     bench/bench_train.py, dense and MoE, bf16; hidden 2048 on cuda
   sync_copies       bench/bench_sync_copies.py (a Qwen3-30B-A3B TP8 rank's expert slabs on cuda)
---device cpu runs the same steps at CPU sizes (the smoke test's: about 80 s of CPU time).
+--device cpu runs the same steps at CPU sizes (the smoke test's: about 80 s of CPU time), --jobs 2
+of them at once on a machine with two cores (a GPU runs one at a time).
 Writes DIR/gpu_check.json (rewritten after every step: a killed run keeps what it finished) and
 DIR/gpu_check.log (every step's output); exits 1 when a step failed or a check did not hold.
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import platform
@@ -92,9 +94,10 @@ def json_lines(text: str) -> List[dict]:
     return rows
 
 
-def run_step(step: Step, seconds_left: float, log) -> dict:
-    """Run one step for at most min(its timeout, seconds_left); its output goes to `log`."""
-    limit = max(1.0, min(step.timeout_s, seconds_left))
+def run_step(step: Step, deadline: float, log) -> dict:
+    """Run one step for at most its timeout, and not past `deadline` (time.monotonic()); its
+    output goes to `log`."""
+    limit = max(1.0, min(step.timeout_s, deadline - time.monotonic()))
     log.write(f"\n== {time.strftime('%H:%M:%S')} {step.name} (limit {limit:.0f} s): {' '.join(step.argv)}\n")
     log.flush()
     start = time.perf_counter()
@@ -181,6 +184,9 @@ def main():
                         help="every step within it (default: 540 on cuda, 1200 on cpu)")
     parser.add_argument("--families", default=",".join(FAMILIES),
                         help="parity's, comma-separated (default: all nine)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="steps run at once (default 1: on a GPU each step has the device to itself; "
+                             "on a CPU machine with cores to spare, 2)")
     args = parser.parse_args()
     if not args.out:
         parser.error("--out: give the folder for the results (or set OUT)")
@@ -188,6 +194,9 @@ def main():
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         parser.error(f"--families: unknown {unknown}; choose from {FAMILIES}")
+    if args.jobs < 1 or (args.jobs > 1 and args.device == "cuda"):
+        parser.error(f"--jobs {args.jobs}: 1, or more with --device cpu (GPU steps measure the "
+                     "device's memory and time: one at a time)")
     budget = args.budget_s or (540 if args.device == "cuda" else 1200)
     deadline = time.monotonic() + budget
     os.makedirs(args.out, exist_ok=True)
@@ -198,21 +207,25 @@ def main():
               "environment": environment(args.device), "steps": {}}
     path = os.path.join(args.out, "gpu_check.json")
     steps = plan_steps(args.device, families, work)
-    with open(os.path.join(args.out, "gpu_check.log"), "a") as log:
-        for i, step in enumerate(steps):
-            # what a run killed from outside leaves: the steps done, and those not
-            report["problems"] = problems(report["steps"], families) + [
-                f"not finished: {', '.join(s.name for s in steps[i:])}"]
-            report["passed"] = False
-            with open(path, "w") as f:
-                json.dump(report, f, indent=1)
-            report["steps"][step.name] = run_step(step, deadline - time.monotonic(), log)
-            print(f"{step.name}: exit {report['steps'][step.name]['rc']} in "
-                  f"{report['steps'][step.name]['seconds']} s", flush=True)
-            report["problems"] = problems(report["steps"], families)
-            report["passed"] = not report["problems"]
+    with open(os.path.join(args.out, "gpu_check.log"), "a") as log, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        # what a run killed from outside leaves: the steps done, and those not
+        report.update(problems=[f"not finished: {', '.join(s.name for s in steps)}"], passed=False)
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
+        # each step's output is written to the log whole, when it ends
+        running = {pool.submit(run_step, step, deadline, log): step for step in steps}
+        for future in concurrent.futures.as_completed(running):
+            step = running[future]
+            report["steps"][step.name] = future.result()
+            print(f"{step.name}: exit {report['steps'][step.name]['rc']} in "
+                  f"{report['steps'][step.name]['seconds']} s", flush=True)
+            left = [s.name for s in steps if s.name not in report["steps"]]
+            report["problems"] = problems(report["steps"], families) + (
+                [f"not finished: {', '.join(left)}"] if left else [])
+            report["passed"] = not report["problems"]
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1)
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({"passed": report["passed"], "problems": report["problems"], "json": path}))
     sys.exit(0 if report["passed"] else 1)

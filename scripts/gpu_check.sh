@@ -10,7 +10,7 @@
 #
 # Options: --wheels DIR (none: the Python already has them), --out DIR (default: $OUT, else a new
 # temporary folder), --device cuda|cpu (default cuda), --python BIN (default python3); the rest
-# goes to scripts/gpu_check.py (--budget-s, --families). The GPU path runs Megatron's portable layer
+# goes to scripts/gpu_check.py (--budget-s, --families, --jobs). The GPU path runs Megatron's portable layer
 # spec on CUDA (MEGARL_TRANSFORMER_ENGINE=false): the check machine has no Transformer Engine.
 # Results: DIR/gpu_check.json and DIR/gpu_check.log; exit 1 when a step failed or a check did not hold.
 set -u -o pipefail

@@ -16,9 +16,10 @@ def _gpu_check():
 
 def test_check_on_cpu_runs_every_step_and_every_check_holds(tmp_path):
     out = tmp_path / "out"
+    # two steps at a time: each is one process, and this machine has two cores
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--out", str(out),
-                           "--python", sys.executable], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={k: v for k, v in os.environ.items() if k != "OUT"})
+                           "--python", sys.executable, "--jobs", "2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={k: v for k, v in os.environ.items() if k != "OUT"})
     assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log"], proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert proc.returncode == 0 and report["passed"], (report.get("problems"), proc.stdout[-2000:])
