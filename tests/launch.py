@@ -1,7 +1,7 @@
 """Start megarl scripts as users do (plain python for one rank, torchrun for several), their
 processes forked from tests/zygote.py, which paid the imports once (MEGARL_TEST_FRESH=1: fresh
-interpreters, python and torchrun themselves). Launches that test the launchers (Slurm, Ray, kills)
-start their processes with subprocess directly."""
+interpreters, python and torchrun themselves). spawn() begins one to be killed mid-run. Launches
+that test the launchers (Slurm, Ray) start their processes with subprocess directly."""
 
 import atexit
 import concurrent.futures
@@ -20,11 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(script: str, *args: str, nproc: int = 1, timeout: int = 600,
         check: bool = True, env: dict = None) -> subprocess.CompletedProcess:
     path = os.path.join(ROOT, script)
-    if nproc == 1:
-        cmd = [sys.executable, path, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", path, *args]
+    cmd = _command(path, args, nproc)
     env = {**os.environ, **(env or {})}
     if FRESH:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
@@ -36,6 +32,14 @@ def run(script: str, *args: str, nproc: int = 1, timeout: int = 600,
             f"\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def _command(path: str, args, nproc: int) -> list:
+    """How a user starts it: python for one rank, torchrun for several."""
+    if nproc == 1:
+        return [sys.executable, path, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            path, *args]
 
 
 # MEGARL_TEST_FRESH=1: every launch a fresh interpreter (python, torchrun), as users start them.
@@ -85,6 +89,60 @@ def _forked(cmd: list, path: str, args: tuple, nproc: int, timeout: int,
         with open(out) as stdout, open(err) as stderr:
             return subprocess.CompletedProcess(cmd, json.loads(line)["returncode"], stdout.read(),
                                                stderr.read())
+
+
+class Spawned:
+    """A launch begun and not waited for (spawn), to be killed mid-run: kill() is SIGKILL of every
+    process of the launch at once, as a node failure or the OOM killer would."""
+
+    def __init__(self, proc: subprocess.Popen = None, connection: socket.socket = None, launcher: int = 0):
+        self.proc, self.connection, self.launcher = proc, connection, launcher
+        self.returncode = None
+
+    def poll(self):
+        if self.proc is not None:
+            return self.proc.poll()
+        if self.returncode is None:
+            self.connection.setblocking(False)
+            try:
+                line = self.connection.recv(4096)
+            except BlockingIOError:
+                return None
+            # the launcher's {"returncode": rc}, or nothing: it was killed
+            self.returncode = json.loads(line)["returncode"] if line else -signal.SIGKILL
+            self.connection.close()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            kill_tree(self.proc)
+            return
+        try:
+            os.killpg(self.launcher, signal.SIGKILL)  # the launcher's session: it and its ranks
+        except ProcessLookupError:
+            pass
+        self.connection.close()
+        self.returncode = -signal.SIGKILL
+
+
+def spawn(script: str, *args: str, nproc: int = 1, env: dict = None) -> Spawned:
+    """`script` launched as run() launches it (output discarded), returned at once."""
+    path = os.path.join(ROOT, script)
+    env = {**os.environ, **(env or {})}
+    if FRESH:
+        return Spawned(proc=subprocess.Popen(_command(path, args, nproc), cwd=ROOT, env=env,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    from megarl.parallel_state.megatron_groups import free_port
+
+    request = dict(script=path, args=list(args), nproc=nproc, env=env, cwd=ROOT, stdout=os.devnull,
+                   stderr=os.devnull, port=free_port() if nproc > 1 else None)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(_zygote_socket())
+    connection.sendall(json.dumps(request).encode() + b"\n")
+    reply = b""
+    while not reply.endswith(b"\n"):
+        reply += connection.recv(1)
+    return Spawned(connection=connection, launcher=json.loads(reply)["pid"])
 
 
 # What start() and in_background() began runs in these threads (each mostly waits on a process).

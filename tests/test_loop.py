@@ -20,7 +20,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.parallel_state.megatron_groups import free_port
-from tests.launch import ROOT, kill_tree, last_json, load_script, one_rank_env, ray_pids, run, two_at_a_time
+from tests.launch import (
+    ROOT,
+    kill_tree,
+    last_json,
+    load_script,
+    one_rank_env,
+    ray_pids,
+    run,
+    spawn,
+    two_at_a_time,
+)
 from tests.learning import assert_heldout_rises, assert_learned
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -381,14 +391,12 @@ def test_killed_run_resumes_exactly_and_exports_hf(demo_inputs, tmp_path):
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, whole, *args), nproc=2, timeout=900)
 
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "scripts/train_ppo_moe.py"), *_args(demo_inputs, killed, *args)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = spawn("scripts/train_ppo_moe.py", *_args(demo_inputs, killed, *args), nproc=2)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "step_000003" / "trainer.json").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its step-3 checkpoint"
         time.sleep(0.2)
-    kill_tree(proc)
+    proc.kill()
     out = run("scripts/train_ppo_moe.py", *_args(demo_inputs, killed, *args), "--resume", "auto",
               nproc=2, timeout=900)
     assert "resumed from" in out.stdout + out.stderr
@@ -523,18 +531,16 @@ def _complete_steps(checkpoints) -> list:
 
 
 def test_kill_during_checkpoint_save_keeps_the_previous_one(demo_inputs, tmp_path):
-    """kill -9 of the whole trainer (torchrun and both ranks) while a checkpoint is being written:
+    """kill -9 of the whole trainer (its launcher and both ranks) while a checkpoint is being written:
     the previous checkpoint stays complete and --resume auto continues from it; the next save
     clears the killed one's .partial."""
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "scripts/train_ppo_moe.py"),
-           *_args(demo_inputs, run_dir, "checkpoint.every=1", "checkpoint.keep=2")]
-    cmd[cmd.index("steps=2")] = "steps=40"
+    args = _args(demo_inputs, run_dir, "checkpoint.every=1", "checkpoint.keep=2")
+    args = tuple("steps=40" if a == "steps=2" else a for a in args)
     for _ in range(3):  # a save can win the race against the poll; then try again
         shutil.rmtree(run_dir, ignore_errors=True)
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = spawn("scripts/train_ppo_moe.py", *args, nproc=2)
         deadline, partial = time.time() + 600, None
         while partial is None:
             assert proc.poll() is None and time.time() < deadline, "the run ended before a second save"
@@ -544,7 +550,7 @@ def test_kill_during_checkpoint_save_keeps_the_previous_one(demo_inputs, tmp_pat
                 partial = next((n for n in os.listdir(checkpoints)
                                 if n.endswith(".partial") and int(n[5:11]) > done[-1]), None)
             time.sleep(0.005)
-        kill_tree(proc)
+        proc.kill()
         if (checkpoints / partial).exists():
             break
     else:
@@ -553,10 +559,8 @@ def test_kill_during_checkpoint_save_keeps_the_previous_one(demo_inputs, tmp_pat
     assert not (checkpoints / partial.removesuffix(".partial")).exists()
     assert _complete_steps(checkpoints)[-1] == killed - 1
 
-    cmd[cmd.index("steps=40")] = f"steps={killed}"
-    resumed = subprocess.run([*cmd, "--resume", "auto"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=900)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    args = tuple(f"steps={killed}" if a == "steps=40" else a for a in args)
+    resumed = run("scripts/train_ppo_moe.py", *args, "--resume", "auto", nproc=2, timeout=900)
     previous = checkpoints / f"step_{killed - 1:06d}"
     assert f"resumed from {previous} (step {killed - 1})" in resumed.stdout + resumed.stderr
     assert [s["step"] for s in _steps(run_dir)] == list(range(1, killed + 1))
