@@ -10,7 +10,7 @@ the Megatron actor, builds a colocated vLLM engine, and times:
   floor  one copy_ of the model's bytes into a buffer already written once, in one process
          (memory bandwidth alone, median); the same copy into a fresh buffer (torch.empty +
          copy_, page faults included: the floor before issue 33) is reported beside it,
-  lora   (cases named -loraR) rank-R adapters on every linear: after a first sync writes the base,
+  lora   (cases named ...-loraR-rtpN) rank-R adapters on every linear: after a first sync writes the base,
          the adapters alone into vLLM's LoRA slots against the full sync with them merged in
          (what a run sends without slots), bytes per rank and seconds (lora_worker),
   naive  what other trainers do (verl's per-tensor generator, slime's TP/EP gather): each full tensor
@@ -87,8 +87,8 @@ class Case:
         """The case without its model: cases sharing it form one model-size series."""
         layout = "".join(f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("ep", self.ep))
                          if v != 1) + ("" if self.etp is None else f"etp{self.etp}")
-        lora = f"-lora{self.lora_rank}" if self.lora_rank else ""
-        return f"{self.dtype}-w{self.world}-{layout or 'dp'}-rtp{self.rollout_tp}{lora}"
+        lora = f"-lora{self.lora_rank}" if self.lora_rank else ""  # before rtp: --only NAME matches one
+        return f"{self.dtype}-w{self.world}-{layout or 'dp'}{lora}-rtp{self.rollout_tp}"
 
 
 def _dense_layouts(model: str, dtype: str, naive_world: int = 4, max_world: int = 4) -> List[Case]:

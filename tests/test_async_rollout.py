@@ -81,7 +81,7 @@ def _steps(run_dir):
 def _computed(step):
     """What the run computed, without what the machine measured or the placement adds."""
     return {k: v for k, v in step.items()
-            if not k.startswith(("time/", "throughput/", "memory/", "async/"))}
+            if not k.startswith(("time/", "throughput/", "memory/", "async/", "sync/"))}
 
 
 def _held_out(inputs, tokens: int, *extra):
@@ -235,6 +235,26 @@ def test_users_producers_serve_rollout_ranks_of_their_own(tail_inputs, tmp_path)
         assert steps[0]["response/length_max"] == most  # the budget, cut by the producer
         assert steps[0]["async/mismatch_lag0_max"] < 1e-4
         assert max(s["async/sample_lag_max"] for s in steps) <= 1
+
+
+def test_a_lora_actor_pushes_its_adapters_alone_to_the_rollout_rank(tail_inputs, tmp_path):
+    """Rank-4 LoRA on the dense Qwen2 with its engine on a rank of its own (staleness 0: every
+    step's samples come from the newest push): the engine serves the adapters from vLLM's LoRA
+    slots, so after the first push (the base, once) the trainer sends the adapters alone over the
+    bridge, as many bytes as the run's final PEFT folder holds; every step's tokens get back the
+    engine's log-probs from the trainer (< 1e-4), so the slot serves what the actor trains."""
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    run(SCRIPT, *_args(tail_inputs, run_dir, "steps=3", "layout.rollout_world_size=1",
+                       "async.max_staleness=0", "actor.lora.rank=4", "actor.optim.lr=1e-3", *FAST_TRAINER),
+        nproc=2, timeout=900)
+    steps = _steps(run_dir)
+    adapters = load_file(str(run_dir / "lora" / "adapter_model.safetensors"))
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+    assert [s["sync/bytes_sent"] for s in steps[1:]] == [adapter_bytes] * 2, steps
+    assert steps[0]["sync/bytes_sent"] > 20 * adapter_bytes  # the base, once
+    assert all(s["async/mismatch_lag0_max"] < 1e-4 for s in steps), steps
 
 
 def test_restarted_partial_rollouts_stay_within_staleness_two(staleness_runs):

@@ -90,7 +90,7 @@ def test_bench_sync_lora(tmp_path):
     """The LoRA case: after the base is written, the adapters alone into vLLM's slots, against the
     full merged sync: each rank takes in the adapters' bytes (a few % of its shard's) and the
     engine then matches the adapted actor."""
-    case = "qwen3-20m-float32-w2-tp2-rtp2-lora16"
+    case = "qwen3-20m-float32-w2-tp2-lora16-rtp2"
     result, summary = _json_lines("bench/bench_sync.py", "--quick", "--only", case, "--repeats", "1",
                                   "--out", str(tmp_path))
     assert result["case"] == case and "error" not in result, result

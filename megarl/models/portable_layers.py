@@ -137,26 +137,31 @@ class PortableCoreAttention(MegatronModule):
         """Causal attention within each packed sequence (query [t, nq, d]; key, value [t, nkv, d]):
         sum(n_i^2) work like varlen flash attention, not the t^2 of one block-diagonal mask,
         which made packing cost as much attention as padding. Sequences of one length go through
-        one batched call: RL packs hold many sequences of few lengths, and a call per sequence
-        (each with its own backward nodes) cost more than the attention itself. Each batch row
-        is computed as its own call computes it (fuzzed bit for bit in tests/test_portable_attention.py)."""
+        one batched call: RL packs hold many sequences of few lengths. The tokens are gathered
+        once into length order and split into the batches (one gather, and a split whose backward
+        is one cat), not sliced per sequence or per batch: each slice's backward allocates a
+        gradient the size of the whole pack. Each batch row is computed as its own call computes
+        it (fuzzed bit for bit in tests/test_portable_attention.py)."""
         bounds = torch.tensor(bounds)
         starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
-        outs, rows = [], []
+        batches, order = [], []  # (length, sequences) of each batch; the tokens in batch order
         for n in lengths.unique().tolist():
-            if n == 0:
-                continue
-            index = (starts[lengths == n][:, None] + torch.arange(n)).to(query.device)  # [B, n]
-            q = query[index].transpose(1, 2)  # [B, nq, n, d]
-            k = key[index].transpose(1, 2).repeat_interleave(self.heads_per_group, dim=1)
-            v = value[index].transpose(1, 2).repeat_interleave(self.heads_per_group, dim=1)
+            if n > 0:
+                firsts = starts[lengths == n]
+                batches.append((n, len(firsts)))
+                order.append((firsts[:, None] + torch.arange(n)).reshape(-1))
+        order = torch.cat(order).to(query.device)
+        sizes = [n * count for n, count in batches]
+        outs = []
+        for (n, count), q, k, v in zip(batches, *(x[order].split(sizes) for x in (query, key, value))):
+            q, k, v = (x.view(count, n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [B, heads, n, d]
+            k, v = (x.repeat_interleave(self.heads_per_group, dim=1) for x in (k, v))
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
                 scale=self.softmax_scale)  # [B, nq, n, dv]
-            outs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))
-            rows.append(index.reshape(-1))
+            outs.append(out.transpose(1, 2).reshape(count * n, out.shape[1], out.shape[3]))
         out = torch.cat(outs)
-        out = out.new_zeros(query.shape[0], *out.shape[1:]).index_copy(0, torch.cat(rows), out)
+        out = out.new_zeros(query.shape[0], *out.shape[1:]).index_copy(0, order, out)
         return out.reshape(out.shape[0], -1)  # [t, nq/tp * dv]
 
 def packed_positions(cu_seqlens_padded: torch.Tensor, cp_rank: int, cp_size: int):

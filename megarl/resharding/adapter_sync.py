@@ -39,6 +39,11 @@ class AdapterSyncReport:
         """What this rank's engine took in: the adapters, and the base when this push wrote it."""
         return self.local_bytes + self.bytes_received + (self.base.engine_bytes if self.base else 0)
 
+    @property
+    def pushed_bytes(self) -> int:
+        """What this rank sent to other ranks: the adapters, and the base when this push wrote it."""
+        return self.bytes_sent + (self.base.bytes_sent if self.base else 0)
+
 
 def push_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightDestination,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, links: Optional[Links] = None):

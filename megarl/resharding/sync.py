@@ -59,6 +59,11 @@ class SyncReport:
         """What this rank's engine took in: from its own parameters and from other ranks."""
         return self.local_bytes + self.bytes_received
 
+    @property
+    def pushed_bytes(self) -> int:
+        """What this rank sent to other ranks."""
+        return self.bytes_sent
+
 
 def layout_tensors(arch: ModelArch, layout: WeightLayout, role: str = "policy"):
     """Every receiving rank's destination tensors for a destination's declared layout, keyed by

@@ -75,6 +75,7 @@ class DisaggregatedRollouts:
         self.prompts, self.sampler, self.scorer = prompts, sampler, scorer
         self.channel = RolloutChannel(role.store)
         self.engine = None  # a RemoteEngine, once the first push knows the model (its LoRA slots)
+        self.sent_bytes = 0  # what this rank sent in the last push (a LoRA actor's: its adapters)
         self.version = None  # of the weights last pushed
         self.weights = None  # (chunks, arch) of the actor: pushed again to a replaced engine
         self.requested = 0  # held-out evaluations requested so far
@@ -120,8 +121,9 @@ class DisaggregatedRollouts:
             chunks, arch = self.weights
             failure = None
             try:
-                push_weights(chunks, arch, self.engine, self.config.layout.sync_bucket_mb * 2**20,
-                             links=self.role.bridge)
+                report = push_weights(chunks, arch, self.engine, self.config.layout.sync_bucket_mb * 2**20,
+                                      links=self.role.bridge)
+                self.sent_bytes = report.pushed_bytes
             except RuntimeError as error:  # an engine died: "Connection closed by peer", or the bridge's
                 # wait ran past collective_timeout_s (NCCL, or a peer that never answers: links.py)
                 failure = error
@@ -184,7 +186,8 @@ class DisaggregatedRollouts:
                                f"trainer's {self.version}, beyond async.max_staleness={bound}")
         return replace(rollouts, metrics={
             **rollouts.metrics, **sent.metrics, "async/sample_lag_mean": float(lags.double().mean()),
-            "async/sample_lag_max": int(lags.max()), "async/engine_restarts": self.role.generation})
+            "async/sample_lag_max": int(lags.max()), "async/engine_restarts": self.role.generation,
+            "sync/bytes_sent": self.sent_bytes})
 
     def evaluate(self, version: int) -> Dict[str, float]:
         """Request the evaluation of the weights after step `version` (the last pushed) and return
