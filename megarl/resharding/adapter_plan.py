@@ -20,6 +20,7 @@ from megarl.models.hf_config import DTYPES, ModelArch
 from megarl.models.lora import KINDS, LoraConfig, chosen_kinds, full_shapes, kind_of, split_dim
 from megarl.models.weight_tables import entry_for
 from megarl.parallel_state.dims import ParallelDims
+from megarl.resharding.cluster_plan import round_phases
 from megarl.resharding.source_layout import layout_pieces
 
 
@@ -82,16 +83,15 @@ class AdapterRankStats:
     peers_received: int = 0
 
     def seconds(self, links) -> float:
-        """Packing, the slower direction of the network (cluster_plan's model: full duplex, NVLink
-        and InfiniBand add up), then unpacking, as one round."""
-        sent, received = self.sent_intra + self.sent_inter, self.recv_intra + self.recv_inter
-        send = (self.sent_intra / links.nvlink_gbps + self.sent_inter / links.ib_gbps) / 1e9 \
-            + self.peers_sent * links.message_us * 1e-6
-        recv = (self.recv_intra / links.nvlink_gbps + self.recv_inter / links.ib_gbps) / 1e9 \
-            + self.peers_received * links.message_us * 1e-6
-        return sent / (links.pack_gbps * 1e9) + max(send, recv) \
-            + (received + self.local_bytes) / (links.hbm_gbps * 1e9) + links.round_us * 1e-6
-
+        """One round in cluster_plan's model: packing what it sends, the slower direction of the
+        network, writing what it holds whole (its own shards and the received ones)."""
+        phases = round_phases(dict(
+            sent_intra=self.sent_intra, sent_inter=self.sent_inter, recv_intra=self.recv_intra,
+            recv_inter=self.recv_inter, messages=self.peers_sent, messages_received=self.peers_received,
+            copies_pre=0, copies_post=0, local_bytes=self.local_bytes,
+            packed_sent=self.sent_intra + self.sent_inter,
+            packed_received=self.recv_intra + self.recv_inter), links)
+        return sum(phases.values()) + links.round_us * 1e-6
 
 def rank_stats(held: Dict[int, List[Tuple[tuple, int]]], receivers: Sequence[int],
                node_of: Sequence[int]) -> Dict[int, AdapterRankStats]:

@@ -10,6 +10,7 @@ transport (transport.Traffic) as it is posted. Each destination rank ends up wit
 tensor whole, which vLLM cuts for its own tensor parallelism when it loads them (vllm_lora.py).
 """
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -97,29 +98,19 @@ def sync_adapters(chunks: List[torch.nn.Module], engine: WeightDestination, link
         else:
             incoming.setdefault((chosen[me], dtype), []).append((shard, shape))
     sends = [(torch.cat(parts), peer) for (peer, _), parts in outgoing.items()]
-    recvs = [(torch.empty(sum(_numel(shape) for _, shape in parts), dtype=_dtype(dtype), device=links.device),
-              peer) for (peer, dtype), parts in incoming.items()]
+    recvs = [(torch.empty(sum(math.prod(shape) for _, shape in parts), dtype=transport.TORCH_DTYPES[dtype],
+                          device=links.device), peer) for (peer, dtype), parts in incoming.items()]
     traffic.post(sends, recvs)
     links.exchange(sends, recvs)
     for (flat, _), parts in zip(recvs, incoming.values()):
-        pieces = flat.split([_numel(shape) for _, shape in parts])
+        pieces = flat.split([math.prod(shape) for _, shape in parts])
         received += [(shard, piece.view(shape)) for (shard, shape), piece in zip(parts, pieces)]
     if me in receivers:
         engine.load_adapters(peft_io.assemble(received))
-    adapter_bytes = sum(_nbytes(shape, dtype) for _, shape, dtype in meta.values())
+    adapter_bytes = sum(math.prod(shape) * transport.TORCH_DTYPES[dtype].itemsize
+                        for _, shape, dtype in meta.values())
     return AdapterSyncReport(base=base, adapter_bytes=adapter_bytes,
                              bytes_received=sum(traffic.received.values()),
                              bytes_sent=sum(traffic.sent.values()), local_bytes=traffic.local_bytes,
                              messages=traffic.messages_sent, sync_seconds=time.perf_counter() - start)
 
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
-
-
-def _numel(shape: tuple) -> int:
-    return int(torch.Size(shape).numel())
-
-
-def _nbytes(shape: tuple, dtype: str) -> int:
-    return torch.empty((), dtype=_dtype(dtype)).element_size() * _numel(shape)

@@ -180,7 +180,7 @@ class RankStats:
             self.seconds += value
 
 
-def _phases(s: Dict[str, int], links: Links) -> Dict[str, float]:
+def round_phases(s: Dict[str, int], links: Links) -> Dict[str, float]:
     """One rank's round in the order transport._exchange_round runs it, in seconds: `pre` (its
     local copies and packing what it sends: per-Copy host work + local bytes at the copy rate +
     packed bytes at the packing rate), `network` (the slower direction: links are full duplex and
@@ -290,7 +290,7 @@ def plan_stats(plan: Plan, node_of: Tuple[int, ...], itemsize: int, links: Links
         for copies in bucket.rounds:
             rounds += 1
             per, alloc, peers = _tally(copies, node_of)
-            phases = {rank: _phases(tally, links) for rank, tally in per.items()}
+            phases = {rank: round_phases(tally, links) for rank, tally in per.items()}
             schedule.round(phases, peers, round_s)
             for rank, tally in per.items():
                 st = stats.setdefault(rank, RankStats(rank))

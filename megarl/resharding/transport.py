@@ -24,7 +24,7 @@ from megarl.models.hf_config import DTYPES
 from megarl.parallel_state.links import Links, Transfer
 from megarl.resharding.plan import Copy
 
-_DTYPES = {str(dtype): dtype for dtype in DTYPES.values()}  # Piece.dtype -> torch.dtype
+TORCH_DTYPES = {str(dtype): dtype for dtype in DTYPES.values()}  # Piece.dtype -> torch.dtype
 
 
 def _source(copy: Copy, local: Dict[Tuple[str, int], torch.Tensor]) -> torch.Tensor:
@@ -107,8 +107,9 @@ def _exchange_round(round_copies: Tuple[Copy, ...], links: Links,
             outgoing.append((_source(copy, local), copy.dst))
         elif copy.dst == rank and copy.direct:
             target = _target(copy, targets)
-            if target.dtype != _DTYPES[copy.dtype]:  # the engine casts: receive, then copy
-                staged.append((target, torch.empty(target.shape, dtype=_DTYPES[copy.dtype], device=device)))
+            if target.dtype != TORCH_DTYPES[copy.dtype]:  # the engine casts: receive, then copy
+                staged.append((target, torch.empty(target.shape, dtype=TORCH_DTYPES[copy.dtype],
+                                                   device=device)))
                 target = staged[-1][1]
             incoming.append((target, copy.src))
         elif copy.src == rank:
@@ -125,7 +126,7 @@ def _exchange_round(round_copies: Tuple[Copy, ...], links: Links,
         outgoing.append((flat, peer))
         allocated += flat.numel() * flat.element_size()
     for (peer, dtype), copies in recvs.items():
-        flat = torch.empty(sum(c.numel for c in copies), dtype=_DTYPES[dtype], device=device)
+        flat = torch.empty(sum(c.numel for c in copies), dtype=TORCH_DTYPES[dtype], device=device)
         incoming.append((flat, peer))
         received.append((copies, flat))
         allocated += flat.numel() * flat.element_size()
