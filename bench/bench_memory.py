@@ -103,8 +103,8 @@ def run_case(args) -> dict:
 def planned_phases(arch, fields: dict, world: int) -> dict:
     """The memory plan's old_logprobs and actor_update peaks (the largest stage's) for the
     worker's run: the CPU path, no engine (the worker builds none), nothing else on the rank."""
+    from megarl.models.destination import RolloutLayout
     from megarl.parallel_state.dims import ParallelDims
-    from megarl.resharding.destination import RolloutLayout
     from megarl.trainer import memory_plan as mp
 
     request = mp.MemoryRequest(arch=arch, dims=ParallelDims(world_size=world, **fields),

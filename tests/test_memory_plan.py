@@ -14,12 +14,12 @@ import json
 import pytest
 
 from megarl.models.activation_memory import stage_bytes_per_token
+from megarl.models.destination import RolloutLayout, vllm_rank_tensors
 from megarl.models.held_params import held_params
 from megarl.models.hf_config import arch_from_hf_config
 from megarl.models.megatron_config import NO_RECOMPUTE, RecomputeConfig
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.cluster_plan import plan_cluster
-from megarl.resharding.destination import RolloutLayout, vllm_rank_tensors
 from megarl.resharding.plan import peak_bound
 from megarl.resharding.source_layout import layout_pieces
 from tests.launch import finish, last_json, run, start

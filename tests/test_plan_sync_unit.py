@@ -9,10 +9,10 @@ import os
 
 import pytest
 
+from megarl.models.destination import DestTensor, Region, RolloutLayout, vllm_layout
 from megarl.models.hf_config import ModelArch
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import cluster_plan as cp
-from megarl.resharding.destination import DestTensor, Region, RolloutLayout, vllm_layout
 from megarl.resharding.plan import Bucket, Copy, Plan, build_plan
 from megarl.resharding.source_layout import layout_pieces
 from tests.published_configs import DEEPSEEK_V3, KIMI_K2, QWEN3_30B_A3B, QWEN3_32B, QWEN3_235B_A22B
@@ -200,7 +200,8 @@ def test_the_script_prints_one_json_object_last(tmp_path, capsys):
 def test_the_lora_plan_puts_every_adapter_on_every_engine_rank(capsys):
     """--lora on a dense model: the adapters-only sync, its bytes PEFT's shapes counted by hand
     (rank 16 on q, k, v, o, gate, up, down of 64 layers, bf16), each engine rank taking them all in
-    once; on a MoE model, why the adapters are merged instead."""
+    once; on a MoE model, the same adapters-only sync merged by the engine, and the base each engine
+    rank keeps for it: every layer's attention and experts (rollout TP2: half of each), by hand."""
     plan_sync, r = _script(), 16
     args = ["--train", "tp=4,pp=2", "--rollout", "tp=4", "--nodes", "2", "--lora", f"rank={r}"]
     summary = plan_sync.main(["--hf-config", os.path.join(ROOT, "docs", "configs", "qwen3-32b.json"), *args])
@@ -213,7 +214,12 @@ def test_the_lora_plan_puts_every_adapter_on_every_engine_rank(capsys):
     assert "each later one moves the adapters alone" in capsys.readouterr().out
     moe = plan_sync.main(["--hf-config", os.path.join(ROOT, "docs", "configs", "qwen3-30b-a3b.json"),
                           "--train", "tp=2", "--rollout", "tp=2", "--nodes", "1", "--lora", "rank=8"])
-    assert not moe["lora"]["slots"] and "MoE" in moe["lora"]["why"], moe["lora"]
+    lora = moe["lora"]
+    assert not lora["slots"] and "MoE" in lora["why"] and lora["receiver_bytes"][0] == lora["adapter_bytes"]
+    hidden, q, kv, experts, width = 2048, 32 * 128, 4 * 128, 128, 768  # docs/configs/qwen3-30b-a3b.json
+    per_layer = hidden * (q + 2 * kv) + q * hidden + experts * 3 * hidden * width
+    assert lora["kept_base_bytes"] == 48 * per_layer * 2 // 2, lora
+    assert "merged by the engine" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flags,message", [

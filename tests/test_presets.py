@@ -17,11 +17,11 @@ import torch
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.demo.task_inputs import write_task_inputs
+from megarl.models.destination import hf_tensors
 from megarl.models.hf_config import load_arch
 from megarl.models.megatron_config import check_te_dtype, gpu_switches, transformer_config
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
-from megarl.resharding.destination import hf_tensors
 from megarl.rollout import vllm_engine
 from megarl.rollout.vllm_engine import rollout_groups
 from megarl.trainer import memory_plan

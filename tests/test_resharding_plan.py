@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from megarl.models import weight_tables
+from megarl.models.destination import VLLM_VOCAB_PADDING, RolloutLayout, hf_tensors, vllm_layout
 from megarl.models.hf_config import ModelArch
 from megarl.models.param_layout import ParamSlot, local_shard
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import metadata, sync
-from megarl.resharding.destination import VLLM_VOCAB_PADDING, RolloutLayout, hf_tensors, vllm_layout
 from megarl.resharding.plan import Piece, build_plan
 from megarl.resharding.source_layout import layout_pieces
 from megarl.rollout.engine import WeightLayout

@@ -169,15 +169,25 @@ class LoraAdapter(torch.nn.Module):
         return self._fuse([p.movedim(-1, 0) for p in pieces]).movedim(0, -1) * self.scaling
 
     def _fuse(self, pieces: List[torch.Tensor]) -> torch.Tensor:
-        """The parts' rows (dimension 0) in the base's local row order: weight_transforms' merge."""
-        if self.transform == "qkv":
-            return wt.merge_qkv(*pieces, self.arch.num_heads // self.tp_size,
-                                self.arch.num_kv_heads // self.tp_size, self.arch.head_dim)
-        return torch.cat(pieces, dim=0)
+        return fuse_rows(self.transform, self.arch, pieces, self.tp_size)
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A in the base weight's local layout, for merging into it."""
         return self._fuse([b @ a for a, b in zip(self.A.values(), self.B.values())]) * self.scaling
+
+
+def fuse_rows(transform: str, arch: ModelArch, pieces: List[torch.Tensor], tp_size: int = 1) -> torch.Tensor:
+    """The HF projections' rows (dimension 0) in their Megatron linear's row order, on one TP rank
+    of `tp_size` (1: the whole linear): weight_transforms' merge."""
+    if transform == "qkv":
+        return wt.merge_qkv(*pieces, arch.num_heads // tp_size, arch.num_kv_heads // tp_size, arch.head_dim)
+    return torch.cat(pieces, dim=0)
+
+
+def expert_nesting(kinds: Dict[str, Kind], kind: str) -> int:
+    """How deep PEFT nests a routed expert kind's adapter: one "base_layer." per adapted expert
+    parameter the HF module registers after it."""
+    return len([k for k in EXPERT_ORDER[EXPERT_ORDER.index(kind) + 1:] if k in kinds])
 
 
 def full_shapes(style: str, transform: str, arch: ModelArch, parts: int, local: Tuple[int, int],
@@ -285,10 +295,10 @@ def attach(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig) -
             entry = entry_for(arch, canonical)
             if kinds[kind].expert:
                 layer, expert = map(int, re.findall(r"\.(\d+)\.", canonical)[:2])
-                later = [k for k in EXPERT_ORDER[EXPERT_ORDER.index(kind) + 1:] if k in kinds]
                 names = {kinds[kind].expert: f"model.layers.{layer}.mlp.experts"}
                 module.lora = LoraAdapter(config, kind, module, names, "copy", arch,
-                                          chunk.config.sequence_parallel, (expert, len(later)))
+                                          chunk.config.sequence_parallel,
+                                          (expert, expert_nesting(kinds, kind)))
             else:
                 names = {hf.rsplit(".", 2)[-2]: hf[:-len(".weight")] for hf in entry.hf}
                 module.lora = LoraAdapter(config, kind, module, names, entry.transform, arch,

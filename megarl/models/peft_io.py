@@ -45,7 +45,7 @@ def _key(adapter: LoraAdapter, short: str, which: str) -> str:
     return peft_key(adapter.hf_names[short], which, adapter.expert[1] if adapter.expert else 0)
 
 
-def _expert_slice(full: torch.Tensor, which: str, expert: int, experts: int) -> torch.Tensor:
+def expert_slice(full: torch.Tensor, which: str, expert: int, experts: int) -> torch.Tensor:
     """Expert `expert`'s A [r, in] or B [out, r] out of PEFT's adapter on a fused expert
     parameter: A [experts * r, in] stacks the experts' A; B [out, r * experts] interleaves their
     columns (PEFT's ParamWrapper reshapes it to [out, r, experts])."""
@@ -148,7 +148,7 @@ def load(chunks: List[torch.nn.Module], adapter_dir: str) -> None:
                     raise KeyError(f"{adapter_dir}: no {key}; the run adapts {hf} (lora.targets)")
                 full = tensors[key]
                 if adapter.expert:
-                    full = _expert_slice(full, which, adapter.expert[0], adapter.arch.num_experts)
+                    full = expert_slice(full, which, adapter.expert[0], adapter.arch.num_experts)
                 local = adapter.local(full, which)
                 if local.shape != params[short].shape:
                     raise ValueError(f"{adapter_dir}: {key} is {tuple(tensors[key].shape)}, this model's "

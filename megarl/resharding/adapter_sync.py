@@ -1,13 +1,15 @@
-"""push_weights: the actor's newest weights into a destination, the adapters alone where it serves
-them from LoRA slots (WeightLayout.adapters), the whole model otherwise (sync.sync_weights).
+"""push_weights: the actor's newest weights into a destination, the adapters alone where it takes
+them (WeightLayout.adapters: a vLLM engine serves them from its LoRA slots, or merges them into its
+weights itself), the whole model otherwise (sync.sync_weights).
 
-With slots, the base weights are frozen: the first sync writes them (unmerged) and every sync
-after it moves only the adapters. Each adapter shard (one TP piece of one A or B; DP and CP
+The base weights are frozen: the first sync writes them (unmerged) and every sync after it moves
+only the adapters. Each adapter shard (one TP piece of one A or B; DP and CP
 replicas hold the same bytes) goes from a rank that holds it (adapter_plan.routes: the receiver
 itself, else one on its node) to each rank of the destination, point to point over the sync's
 Links (all of one rank's parts for one peer in one message per dtype), and is counted by the
 transport (transport.Traffic) as it is posted. Each destination rank ends up with every adapter
-tensor whole, which vLLM cuts for its own tensor parallelism when it loads them (vllm_lora.py).
+tensor whole, which vLLM cuts for its own tensor parallelism when it loads them into a slot
+(vllm_lora.py), or the engine when it merges them (vllm_merge.py).
 """
 
 import math
@@ -67,7 +69,7 @@ def _receivers(engine: WeightDestination) -> range:
 @torch.no_grad()
 def sync_adapters(chunks: List[torch.nn.Module], engine: WeightDestination, links: Links,
                   base: Optional[SyncReport] = None) -> AdapterSyncReport:
-    """Every adapter tensor whole onto each destination rank, loaded into its slot."""
+    """Every adapter tensor whole onto each destination rank, loaded there (engine.load_adapters)."""
     start = time.perf_counter()
     mine = peft_io.local_shards(chunks)
     held = links.all_gather_object([(shard, tuple(t.shape), str(t.dtype)) for shard, t in mine])

@@ -23,10 +23,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
+from megarl.models.destination import RolloutLayout, check_rollout, vllm_layout
 from megarl.models.hf_config import DTYPES, ModelArch, arch_from_hf_config
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import metadata
-from megarl.resharding.destination import RolloutLayout, check_rollout, vllm_layout
 from megarl.resharding.plan import Plan, build_plan
 from megarl.resharding.source_layout import layout_pieces, rank_coords
 

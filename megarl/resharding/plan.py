@@ -2,7 +2,7 @@
 of which rank, in which bucket.
 
 Pure and deterministic: a function of the pieces every training rank holds (metadata.py, or
-source_layout.py without any weights), of every destination rank's tensors (destination.py), of
+source_layout.py without any weights), of every destination rank's tensors (models/destination.py), of
 the bucket size and of which node each rank is on. Built once per layout and weights' shapes
 (sync.rank_plan keeps each rank's share; this module caches nothing: its inputs are millions of
 objects, too many to hash on every sync); testable with fake metadata, no processes; the cluster
@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megarl.models.destination import DestTensor
 from megarl.models.hf_config import DTYPES
-from megarl.resharding.destination import DestTensor
 
 _BYTES = {str(dtype): dtype.itemsize for dtype in DTYPES.values()}  # keyed like Piece.dtype
 DIRECT_BYTES = 256 * 2**10

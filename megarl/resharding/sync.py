@@ -17,10 +17,11 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
+from megarl.models import destination
 from megarl.models.hf_config import ModelArch
 from megarl.parallel_state import device_memory
 from megarl.parallel_state.links import Links, WorldLinks
-from megarl.resharding import destination, metadata, transport
+from megarl.resharding import metadata, transport
 from megarl.resharding.plan import Copy, Plan, build_plan
 from megarl.rollout.engine import WeightDestination, WeightLayout, check_update
 

@@ -12,7 +12,7 @@ from typing import Optional
 from megarl.rollout.agent_loop import AgentConfig
 from megarl.rollout.prompts import OVERLONG, RecordKeys
 from megarl.rollout.turns import INTERRUPTS
-from megarl.rollout.vllm_lora import SlotSpec
+from megarl.rollout.vllm_lora import AdapterSpec
 
 
 @dataclass(frozen=True)
@@ -99,4 +99,4 @@ class EngineSpec:
     rollout_ep: int = 1
     return_routing: bool = False  # each sample carries its tokens' experts (MoE)
     router_fp32: bool = True  # MoE gates in fp32, as the trainer's
-    lora_slots: Optional[SlotSpec] = None  # the actor's adapters served from vLLM's LoRA slots
+    adapters: Optional[AdapterSpec] = None  # the actor's LoRA adapters, synced alone

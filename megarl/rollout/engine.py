@@ -91,11 +91,11 @@ class WeightLayout:
     """How a weight destination holds the model: `format` "vllm" (each rank its engine's own
     parameters: fused QKV and gate/up, fused experts, padded vocabulary; engines of `tp`
     consecutive ranks, experts split over an engine's ranks when `ep` == tp) or "hf" (whole HF
-    tensors, on rank 0 only). megarl.resharding.destination turns it into every rank's tensors.
+    tensors, on rank 0 only). megarl.models.destination turns it into every rank's tensors.
     `first_rank`: the sync's rank of the destination's rank 0 (0 colocated; the first rollout
-    rank on the trainer-rollout bridge). `adapters`: the destination serves the actor's LoRA
-    adapters from slots of its own (AdapterDestination): the weights it takes are the base's,
-    written once, and each sync sends the adapters alone."""
+    rank on the trainer-rollout bridge). `adapters`: the destination takes the actor's LoRA
+    adapters alone each sync (AdapterDestination: into LoRA slots, or merged into its weights by
+    itself); the weights it takes are the base's, written once."""
     format: str
     world: int
     tp: int = 1
@@ -133,7 +133,7 @@ class AdapterDestination(WeightDestination, Protocol):
         """The next sync must write the base weights first (the first one, or after they were lost)."""
 
     def load_adapters(self, tensors: Dict[str, torch.Tensor]) -> None:
-        """Every adapter tensor, whole, under its PEFT name: serve them from now on."""
+        """Every adapter tensor, whole, under its PEFT name: generate with them from now on."""
 
 
 class RolloutEngine(WeightDestination, Protocol):

@@ -19,6 +19,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megarl.models.destination import RolloutLayout
 from megarl.parallel_state import device_choice
 from megarl.rollout import vllm_cpu_fixes, vllm_fp32_router, vllm_lora
 from megarl.rollout.engine import (
@@ -30,13 +31,14 @@ from megarl.rollout.engine import (
     WeightUpdateReport,
     sample_seed,
 )
+from megarl.rollout.vllm_merge import MergedAdapters
 from megarl.rollout.vllm_routing import capture_at_load, routing_of
 from megarl.rollout.vllm_weights import InPlaceWriter
 
 # vLLM's sleep level for release_memory. Level 1 copies the weights to the host and back every
 # step, only for the sync to overwrite them; level 2 keeps nothing (vLLM saves and restores the
-# model's buffers itself), so the weights are written once a step, by the sync. An engine with
-# LoRA slots keeps its base weights (the sync sends only adapters): level 1.
+# model's buffers itself), so the weights are written once a step, by the sync. An engine that
+# takes the actor's adapters alone keeps its base weights (the sync sends only adapters): level 1.
 SLEEP_LEVEL = 2
 SLEEP_LEVEL_KEEPING_WEIGHTS = 1
 
@@ -70,7 +72,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, rollout_ep: int = 1,
                  load_format: str = "dummy", return_routing: bool = False,
                  router_fp32: bool = True, sync_first_rank: int = 0,
-                 lora_slots: Optional[vllm_lora.SlotSpec] = None):
+                 adapters: Optional[vllm_lora.AdapterSpec] = None):
         """`load_format` "dummy": random weights until the first sync (the run's path); "auto"
         reads `hf_dir`'s weights on every rank (for an engine used without a sync).
         `return_routing`: each sample carries the experts its tokens were routed to (MoE models;
@@ -78,8 +80,9 @@ class VLLMEngine:
         `router_fp32`: MoE gates compute logits and top-k in fp32, as the trainer's do
         (model.router_fp32; vllm_fp32_router.py). `sync_first_rank`: this engine world's rank 0
         in the weight sync's ranks (the first rollout rank on a trainer-rollout bridge).
-        `lora_slots`: the actor's adapters are served from vLLM's LoRA slots: the sync writes the
-        base weights once and then only the adapters (resharding/adapter_sync.py)."""
+        `adapters`: the sync writes the base weights once and then only the actor's LoRA adapters
+        (resharding/adapter_sync.py), served from vLLM's LoRA slots where they can be
+        (vllm_lora.py), else merged into the weights by the engine (vllm_merge.py)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         check_engine_ep(rollout_tp, rollout_ep)
@@ -87,7 +90,7 @@ class VLLMEngine:
         self.placement = Placement(engines=rollout_groups(world, rollout_tp), engine_rank=rank // rollout_tp,
                                    leader=rank % rollout_tp == 0)
         self.layout = WeightLayout("vllm", world, rollout_tp, rollout_ep, sync_first_rank,
-                                   adapters=lora_slots is not None)
+                                   adapters=adapters is not None)
         # In-process engine: the worker lives in this process, so weight updates are plain
         # function calls on tensors already in memory.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -118,7 +121,7 @@ class VLLMEngine:
             vllm_cpu_fixes.per_launch_shm_names()
             vllm_cpu_fixes.eager_helpers()
             kwargs.update(vllm_cpu_fixes.whole_prefills(), **vllm_cpu_fixes.reference_mla(hf_dir))
-        kwargs.update(vllm_lora.engine_kwargs(lora_slots))
+        kwargs.update(vllm_lora.engine_kwargs(adapters))
         with vllm_fp32_router.fp32_gates(router_fp32), capture_at_load(return_routing) as captures:
             self.llm = LLM(
                 model=hf_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
@@ -130,14 +133,19 @@ class VLLMEngine:
                 **kwargs,
             )
         self._asleep = set()  # of "weights", "kv_cache": what release_memory put to sleep
-        self._slot = None if lora_slots is None else vllm_lora.AdapterSlot(self.llm, lora_slots)
-        self._sleep_level = SLEEP_LEVEL if self._slot is None else SLEEP_LEVEL_KEEPING_WEIGHTS
+        self._sleep_level = SLEEP_LEVEL if adapters is None else SLEEP_LEVEL_KEEPING_WEIGHTS
         self._base_written = False  # a weight update finished since the base weights were last lost
         # Why the weights are not the ones to generate with (None: they are): woken after a
         # release, or half written by an update, until a weight update finishes.
         self._stale: Optional[str] = None
         model, config = self.llm.collective_rpc(_model_and_config)[0]
         self._writer = InPlaceWriter(model, config)
+        self._adapters = None  # vllm_lora.AdapterSlot or vllm_merge.MergedAdapters
+        if adapters is not None and adapters.slots:
+            self._adapters = vllm_lora.AdapterSlot(self.llm, adapters)
+        elif adapters is not None:
+            rollout = RolloutLayout(rollout_tp, rollout_ep)
+            self._adapters = MergedAdapters(self._writer, adapters, rollout, rank % rollout.size)
         self._routing = captures[0] if return_routing else None
         # a streamed request's id -> (vLLM's id of it, the ids it fed so far), until it ends
         self._streamed: Dict[str, Tuple[str, List[int]]] = {}
@@ -230,35 +238,37 @@ class VLLMEngine:
         return self._writer.open(names)
 
     def close_tensors(self, names: Sequence[str]) -> None:
+        if self._adapters is not None and not self._base_written:  # the base is frozen: kept once
+            self._adapters.keep_base(names)
         self._writer.close(names)
 
     def finish_weight_update(self) -> WeightUpdateReport:
         report = self._writer.finish()
         self._reset_prefix_cache()
         self._base_written = True
-        self._stale = None if self._slot is None else "the base weights are written, the adapters not yet"
+        self._stale = None if self._adapters is None else "the base weights are written, the adapters not yet"
         return report
 
     def needs_base_weights(self) -> bool:
-        """Whether the next sync must write the base weights (an engine without LoRA slots takes
+        """Whether the next sync must write the base weights (an engine without `adapters` takes
         the whole model every sync)."""
-        return self._slot is None or not self._base_written
+        return self._adapters is None or not self._base_written
 
     def load_adapters(self, tensors: Dict[str, torch.Tensor]) -> None:
-        """One weight version's adapters (whole PEFT tensors) into the LoRA slot; every request from
-        now on uses them."""
-        if self._slot is None:
-            raise RuntimeError("this engine has no LoRA slots (VLLMEngine(lora_slots=...)): sync the "
+        """One weight version's adapters (whole PEFT tensors) into the LoRA slot, or merged into the
+        weights; every request from now on uses them."""
+        if self._adapters is None:
+            raise RuntimeError("this engine takes no adapters (VLLMEngine(adapters=...)): sync the "
                                "weights with the adapters merged in")
         self._require_awake("adapter update", ["weights"])
         if not self._base_written:
             raise RuntimeError("adapters before the base weights: the first sync writes the base")
-        self._slot.load(tensors)
+        self._adapters.load(tensors)
         self._reset_prefix_cache()
         self._stale = None
 
     def _lora_request(self):
-        return None if self._slot is None else self._slot.request
+        return None if self._adapters is None else self._adapters.request
 
     def _reset_prefix_cache(self) -> None:
         """Cached KV blocks were computed with the old weights: none may serve a new request."""

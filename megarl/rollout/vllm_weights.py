@@ -50,7 +50,7 @@ class InPlaceWriter:
             raise ValueError(f"the sync plan does not match this vLLM model: {len(missing)} engine "
                              f"parameters unplanned (e.g. {missing[:3]}), {len(unexpected)} planned "
                              f"ones it lacks (e.g. {unexpected[:3]}), shapes differ: {wrong[:3]}. "
-                             "megarl.resharding.destination encodes vLLM's layouts: update it for "
+                             "megarl.models.destination encodes vLLM's layouts: update it for "
                              "this vLLM version or model family")
         self.written = set()
 
@@ -72,6 +72,10 @@ class InPlaceWriter:
         for module in dict.fromkeys(self._real[name].rpartition(".")[0] for name in names):
             layer = self.model.get_submodule(module)
             materialize_layer(layer, self._info(layer))
+        return {name: self.model.get_parameter(self._real[name]).data for name in names}
+
+    def loaded(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
+        """The open load-time tensors, as written so far (before close processes them)."""
         return {name: self.model.get_parameter(self._real[name]).data for name in names}
 
     def close(self, names: Sequence[str]) -> None:
@@ -101,13 +105,22 @@ class InPlaceWriter:
         layerwise._copy_and_restore_kernel_tensors(layer, info)
         info.reset()
 
-    def finish(self) -> WeightUpdateReport:
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+    def finish(self, only: Sequence[str] = ()) -> WeightUpdateReport:
+        """`only`: the update rewrote these tensors alone (every other module keeps its live
+        tensors, put back here quietly: vLLM's finalize warns of each as a failed load)."""
+        from vllm.model_executor.model_loader.reload import layerwise
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        if only:
+            for layer in self.model.modules():
+                info = self._info(layer)
+                if info.can_load() and info.kernel_tensors is not None and \
+                        not layerwise.is_deferred_attention_layer(layer):
+                    layerwise._place_kernel_tensors(layer, info)
+                    info.reset()
+        layerwise.finalize_layerwise_reload(self.model, self.model_config)
         if not device_choice.on_gpu():
             vllm_cpu_fixes.refresh_tied_lm_head(self.model)
-        expected = set(self.names)
+        expected = set(only or self.names)
         return WeightUpdateReport(params_expected=len(expected),
                                   params_loaded=len(self.written & expected),
                                   missing=sorted(expected - self.written),

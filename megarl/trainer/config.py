@@ -20,7 +20,7 @@ from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import RewardTable
 from megarl.rollout.config import AsyncConfig, DataConfig, EngineSpec, GenerationConfig
-from megarl.rollout.vllm_lora import SlotSpec, slots_refusal
+from megarl.rollout.vllm_lora import AdapterSpec
 
 
 @dataclass(frozen=True)
@@ -251,13 +251,13 @@ class RunConfig:
 
     def engine_spec(self, arch: ModelArch) -> EngineSpec:
         """The engines' settings from the model, layout and actor sections for the checkpoint's
-        `arch`. A LoRA actor's adapters go into vLLM's LoRA slots where the engine can serve
-        them (vllm_lora.slots_refusal), else the sync merges them into the weights it sends."""
+        `arch`. A LoRA actor's engines take its adapters alone each sync (into vLLM's LoRA slots,
+        or merged by the engine: vllm_lora.slots_refusal)."""
         adapters = peft_io.run_config(self.actor.lora, self.model.lora_init, arch)
-        slots = SlotSpec(arch, adapters) if adapters and not slots_refusal(arch, adapters) else None
         return EngineSpec(self.model.hf_dir, arch.dtype, self.seed, rollout_tp=self.layout.rollout_tp,
                           rollout_ep=self.layout.rollout_ep, return_routing=self.engine_returns_routing,
-                          router_fp32=self.model.router_fp32, lora_slots=slots)
+                          router_fp32=self.model.router_fp32,
+                          adapters=AdapterSpec(arch, adapters) if adapters else None)
 
     @property
     def eval_config(self) -> EvalConfig:

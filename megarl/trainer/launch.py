@@ -18,7 +18,7 @@ Does not own the loop (loop.py).
 import os
 from typing import Optional, Tuple
 
-from megarl.resharding.destination import RolloutLayout
+from megarl.models.destination import RolloutLayout
 from megarl.trainer import console, placement
 from megarl.trainer.config import RunConfig
 from megarl.trainer.worker_env import gloo_interface, node_interfaces, route_address, worker_env

