@@ -10,8 +10,9 @@ Every merge starts from the kept base, so repeated merges cannot drift. Where ea
 tensor's rows sit in the engine's parameters is the sync's own table (models/destination.py).
 
 Costs, per engine rank: host memory for the adapted modules' base (most of a MoE model when the
-experts are adapted), and each merge computes the adapted tensors' whole deltas (a TP-split
-engine uses its share of them).
+experts are adapted); each merge copies that base back into the engine's tensors (on a GPU, from
+the host), computes one canonical tensor's whole delta at a time (a TP-split engine uses its share
+of it) and adds it in fp32 one region (one expert's rows) at a time.
 """
 
 from typing import Dict, List, Sequence
@@ -75,17 +76,18 @@ class MergedAdapters:
         for group in self._modules.values():
             opened = self.writer.open([t.name for t in group])
             for tensor in group:
-                merged = self._base[tensor.name].to(opened[tensor.name].device, torch.float32, copy=True)
-                full: Dict[str, torch.Tensor] = {}  # a canonical tensor's delta, for its regions here
+                target = opened[tensor.name]
+                target.copy_(self._base[tensor.name])
+                canonical, delta = None, None  # one canonical tensor's delta: its regions are adjacent
                 for region in tensor.regions:
                     if deltas.kind(region.canonical) is None:
                         continue
-                    if region.canonical not in full:
-                        full[region.canonical] = deltas.full(region.canonical).to(merged.device)
-                    target = merged if region.expert is None else merged[region.expert]
-                    delta = full[region.canonical].narrow(region.dim, region.start, region.length)
-                    target.narrow(region.dim, region.dst_start, region.length).add_(delta)
-                opened[tensor.name].copy_(merged)
+                    if region.canonical != canonical:
+                        canonical, delta = region.canonical, deltas.full(region.canonical).to(target.device)
+                    rows = (target if region.expert is None else target[region.expert]).narrow(
+                        region.dim, region.dst_start, region.length)
+                    # W0 + delta in fp32, cast once: the trainer's merge (lora.MergedWeight)
+                    rows.copy_(rows.float() + delta.narrow(region.dim, region.start, region.length))
             del opened
             self.writer.close([t.name for t in group])
         return self.writer.finish(only=names)
