@@ -160,8 +160,8 @@ class ColocatedRollouts:
         prompts are drawn, up to algo.dynamic_sampling_rounds extra rounds."""
         with self._engine_with(number - 1, f"step {number}") as handoff:
             rollouts = self._rounds(number)
-        # sync/engine_bytes: what this rank's engine took in (with LoRA slots, the adapters alone
-        # after the first sync)
+        # sync/engine_bytes: what this rank's engine took in (with LoRA, the adapters alone after
+        # the first sync)
         return replace(rollouts, metrics={**rollouts.metrics, "memory/offloaded_bytes": handoff["offloaded"],
                                           "sync/engine_bytes": handoff["sync_bytes"]},
                        sync_seconds=handoff["sync_seconds"])
