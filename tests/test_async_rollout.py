@@ -237,24 +237,29 @@ def test_users_producers_serve_rollout_ranks_of_their_own(tail_inputs, tmp_path)
         assert max(s["async/sample_lag_max"] for s in steps) <= 1
 
 
-def test_a_lora_actor_pushes_its_adapters_alone_to_the_rollout_rank(tail_inputs, tmp_path):
-    """Rank-4 LoRA on the dense Qwen2 with its engine on a rank of its own (staleness 0: every
-    step's samples come from the newest push): the engine serves the adapters from vLLM's LoRA
-    slots, so after the first push (the base, once) the trainer sends the adapters alone over the
-    bridge, as many bytes as the run's final PEFT folder holds; every step's tokens get back the
-    engine's log-probs from the trainer (< 1e-4), so the slot serves what the actor trains."""
+def test_a_lora_actor_pushes_its_adapters_alone_to_the_rollout_rank(tail_inputs, demo_inputs, tmp_path):
+    """Rank-4 LoRA with the engine on a rank of its own (staleness 0: every step's samples come
+    from the newest push), two runs side by side: the dense Qwen2, whose engine serves the adapters
+    from vLLM's LoRA slots, and the demo's MoE model (max_new_tokens 3), whose engine merges them
+    into its weights from the base it kept (rollout/vllm_merge.py). In both, after the first push
+    (the base, once) the trainer sends the adapters alone over the bridge, as many bytes as the
+    run's final PEFT folder holds; every step's tokens get back the engine's log-probs from the
+    trainer (< 1e-4), so the engine generates with what the actor trains."""
     from safetensors.torch import load_file
 
-    run_dir = tmp_path / "run"
-    run(SCRIPT, *_args(tail_inputs, run_dir, "steps=3", "layout.rollout_world_size=1",
-                       "async.max_staleness=0", "actor.lora.rank=4", "actor.optim.lr=1e-3", *FAST_TRAINER),
-        nproc=2, timeout=900)
-    steps = _steps(run_dir)
-    adapters = load_file(str(run_dir / "lora" / "adapter_model.safetensors"))
-    adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
-    assert [s["sync/bytes_sent"] for s in steps[1:]] == [adapter_bytes] * 2, steps
-    assert steps[0]["sync/bytes_sent"] > 20 * adapter_bytes  # the base, once
-    assert all(s["async/mismatch_lag0_max"] < 1e-4 for s in steps), steps
+    runs = {"slots": (tail_inputs, tmp_path / "slots", ()),
+            "merged": (demo_inputs, tmp_path / "merged", ("generation.max_new_tokens=3",))}
+    finish(*(start(SCRIPT, *_args(inputs, run_dir, "steps=3", "layout.rollout_world_size=1",
+                                  "async.max_staleness=0", "actor.lora.rank=4", "actor.optim.lr=1e-3",
+                                  *FAST_TRAINER, *extra), nproc=2, timeout=900)
+             for inputs, run_dir, extra in runs.values()))
+    for name, (_, run_dir, _) in runs.items():
+        steps = _steps(run_dir)
+        adapters = load_file(str(run_dir / "lora" / "adapter_model.safetensors"))
+        adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+        assert [s["sync/bytes_sent"] for s in steps[1:]] == [adapter_bytes] * 2, (name, steps)
+        assert steps[0]["sync/bytes_sent"] > 20 * adapter_bytes, (name, steps)  # the base, once
+        assert all(s["async/mismatch_lag0_max"] < 1e-4 for s in steps), (name, steps)
 
 
 def test_restarted_partial_rollouts_stay_within_staleness_two(staleness_runs):
