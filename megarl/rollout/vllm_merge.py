@@ -25,6 +25,7 @@ from megarl.models.lora import LoraConfig, chosen_kinds, kind_of
 from megarl.models.lora_delta import Deltas
 from megarl.parallel_state import device_choice
 from megarl.rollout.engine import WeightUpdateReport
+from megarl.rollout.vllm_lora import AdapterSpec
 from megarl.rollout.vllm_weights import InPlaceWriter
 
 
@@ -47,7 +48,8 @@ class MergedAdapters:
 
     request = None
 
-    def __init__(self, writer: InPlaceWriter, spec, rollout: destination.RolloutLayout, position: int):
+    def __init__(self, writer: InPlaceWriter, spec: AdapterSpec, rollout: destination.RolloutLayout,
+                 position: int):
         self.writer, self.spec = writer, spec
         tensors = destination.vllm_rank_tensors(spec.arch, rollout, position)
         self._expected = {t.name: t.shape for t in tensors}  # what a base write plans here
