@@ -184,6 +184,13 @@ def fuse_rows(transform: str, arch: ModelArch, pieces: List[torch.Tensor], tp_si
     return torch.cat(pieces, dim=0)
 
 
+def expert_of(canonical: str) -> Tuple[str, int]:
+    """(the HF module of the layer's fused experts, the global expert id) of a routed expert's
+    canonical weight: the PEFT module its adapter is a slice of."""
+    layer, expert = map(int, re.findall(r"\.(\d+)\.", canonical)[:2])
+    return f"model.layers.{layer}.mlp.experts", expert
+
+
 def expert_nesting(kinds: Dict[str, Kind], kind: str) -> int:
     """How deep PEFT nests a routed expert kind's adapter: one "base_layer." per adapted expert
     parameter the HF module registers after it."""
@@ -294,8 +301,8 @@ def attach(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig) -
             canonical = canonical_name(chunk, name + ".weight")
             entry = entry_for(arch, canonical)
             if kinds[kind].expert:
-                layer, expert = map(int, re.findall(r"\.(\d+)\.", canonical)[:2])
-                names = {kinds[kind].expert: f"model.layers.{layer}.mlp.experts"}
+                module_name, expert = expert_of(canonical)
+                names = {kinds[kind].expert: module_name}
                 module.lora = LoraAdapter(config, kind, module, names, "copy", arch,
                                           chunk.config.sequence_parallel,
                                           (expert, expert_nesting(kinds, kind)))

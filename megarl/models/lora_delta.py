@@ -4,13 +4,12 @@ adapters itself (a vLLM engine without LoRA slots: rollout/vllm_merge.py). The t
 (lora.MergedWeight) is the same sum on its TP shard, fused the same way (lora.fuse_rows).
 """
 
-import re
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
 from megarl.models.hf_config import ModelArch
-from megarl.models.lora import KINDS, LoraConfig, chosen_kinds, expert_nesting, fuse_rows, kind_of
+from megarl.models.lora import KINDS, LoraConfig, chosen_kinds, expert_nesting, expert_of, fuse_rows, kind_of
 from megarl.models.peft_io import expert_slice, peft_key
 from megarl.models.weight_tables import entry_for
 
@@ -22,20 +21,15 @@ class Deltas:
         self.arch, self.config, self.tensors = arch, config, tensors
         self.kinds = chosen_kinds(arch, config)
 
-    def kind(self, canonical: str) -> Optional[str]:
-        """The adapter kind of the linear whose weight is `canonical` (None: not adapted)."""
-        return kind_of(self.kinds, canonical)
-
     @torch.no_grad()
     def full(self, canonical: str) -> torch.Tensor:
         """scaling * B @ A of `canonical`'s adapters, whole, in float32 and Megatron's row order."""
-        kind = self.kind(canonical)
+        kind = kind_of(self.kinds, canonical)
         if kind is None:
             raise KeyError(f"{canonical} has no adapter (lora.targets: {list(self.config.targets)})")
         scaling = self.config.scaling_of(kind)
         if KINDS[kind].expert:
-            layer, expert = map(int, re.findall(r"\.(\d+)\.", canonical)[:2])
-            module = f"model.layers.{layer}.mlp.experts"
+            module, expert = expert_of(canonical)
             nest = expert_nesting(self.kinds, kind)
             a = expert_slice(self._tensor(peft_key(module, "A", nest)), "A", expert, self.arch.num_experts)
             b = expert_slice(self._tensor(peft_key(module, "B", nest)), "B", expert, self.arch.num_experts)

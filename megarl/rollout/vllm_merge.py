@@ -54,6 +54,9 @@ class MergedAdapters:
         tensors = destination.vllm_rank_tensors(spec.arch, rollout, position)
         self._expected = {t.name: t.shape for t in tensors}  # what a base write plans here
         self._modules = adapted_modules(spec.arch, spec.config, tensors)
+        kinds = chosen_kinds(spec.arch, spec.config)  # each tensor's adapted rows, matched once
+        self._regions = {t.name: [r for r in t.regions if kind_of(kinds, r.canonical)]
+                         for group in self._modules.values() for t in group}
         self._base: Dict[str, torch.Tensor] = {}
 
     def keep_base(self, names: Sequence[str]) -> None:
@@ -68,7 +71,7 @@ class MergedAdapters:
     @torch.no_grad()
     def load(self, tensors: Dict[str, torch.Tensor]) -> WeightUpdateReport:
         """Merges `tensors` (one version's whole PEFT tensors) into the adapted modules."""
-        names = [t.name for group in self._modules.values() for t in group]
+        names = list(self._regions)
         missing = sorted(set(names) - set(self._base))
         if missing:
             raise RuntimeError(f"no kept base for {missing[:3]} ({len(missing)} in all): the base "
@@ -81,9 +84,7 @@ class MergedAdapters:
                 target = opened[tensor.name]
                 target.copy_(self._base[tensor.name])
                 canonical, delta = None, None  # one canonical tensor's delta: its regions are adjacent
-                for region in tensor.regions:
-                    if deltas.kind(region.canonical) is None:
-                        continue
+                for region in self._regions[tensor.name]:
                     if region.canonical != canonical:
                         canonical, delta = region.canonical, deltas.full(region.canonical).to(target.device)
                     rows = (target if region.expert is None else target[region.expert]).narrow(
