@@ -32,7 +32,8 @@ TIERS = {
     "test_bench_smoke": (E2E, {"test_every_bench_make_bench_runs_is_smoked_here": UNIT,
                                "test_bench_rewards": DISTRIBUTED, "test_bench_sync_copies": DISTRIBUTED,
                                "test_bench_train": DISTRIBUTED, "test_bench_memory": DISTRIBUTED}),
-    "test_algos_vocab_parallel": (UNIT, {"test_two_rank_gloo_group_matches_full_log_softmax": DISTRIBUTED}),
+    "test_algos_vocab_parallel": (UNIT, {"test_two_rank_gloo_group_matches_full_log_softmax_with_each_kernel":
+                                       DISTRIBUTED}),
     "test_architecture": UNIT,
     "test_checkpoint_extra_state": (DISTRIBUTED, {"test_only_extra_state_may_be_on_one_side_fuzzed": UNIT,
                                                    "test_a_long_mismatch_is_named_in_part": UNIT}),

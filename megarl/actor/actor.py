@@ -49,12 +49,13 @@ class Actor:
 
     # ---- log-probs ----------------------------------------------------------------------
 
-    def _token_logprobs(self, mb: PackedMicroBatch, output: torch.Tensor):
-        """output [1, t/cp, V/tp] -> (log-probs, entropy) [n, W], column i for token i."""
+    def _token_logprobs(self, mb: PackedMicroBatch, output: torch.Tensor, entropy_grad: bool = False):
+        """output [1, t/cp, V/tp] -> (log-probs, entropy) [n, W], column i for token i; the
+        entropy carries a gradient only with `entropy_grad` (a loss with an entropy bonus)."""
         tp = megatron_groups.tensor().size
         group = megatron_groups.tensor().group if tp > 1 else None
         logprobs, entropy = logprobs_and_entropy(output[0], mb.targets[0].to(output.device),
-                                                 group, self.arch.vocab_size)
+                                                 group, self.arch.vocab_size, entropy_grad=entropy_grad)
         both = full_pack(torch.stack([logprobs, entropy], -1), mb)  # [t, 2]
         return unpack_predictions(both, mb).unbind(-1)
 
@@ -104,7 +105,7 @@ class Actor:
 
     def _policy_loss(self, batch: RolloutBatch, counts: dict, weights, mb: PackedMicroBatch, output):
         cfg = self.config
-        logprobs, entropy = self._token_logprobs(mb, output)  # [n, W]
+        logprobs, entropy = self._token_logprobs(mb, output, entropy_grad=bool(cfg.entropy_coeff))  # [n, W]
         rows = batch.select(mb.rows)
         width = mb.width
         mask = rows.loss_mask[:, :width].to(logprobs.device)
@@ -117,7 +118,7 @@ class Actor:
         share = partial(aggregate, mask=mask, **counts)
         policy_loss = share(per_token, mode=cfg.loss_aggregation)
         entropy_share = share(entropy, mode=cfg.loss_aggregation)
-        loss = policy_loss - cfg.entropy_coeff * entropy_share
+        loss = policy_loss - cfg.entropy_coeff * entropy_share if cfg.entropy_coeff else policy_loss
         kl = torch.zeros(())
         if cfg.kl_loss_coeff:
             kl = share(kl_estimate(logprobs, rows.ref_logprobs[:, :width].to(old.device), cfg.kl_estimator,

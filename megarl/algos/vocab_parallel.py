@@ -1,33 +1,108 @@
-"""Log-probs of target tokens and entropy from vocabulary-sharded logits, without gathering V, in
-memory bounded by a chunk of tokens.
+"""Log-probs of target tokens and entropy from vocabulary-sharded logits, without gathering V and
+without fp32 copies of [tokens, V].
 
 Owns the tensor-parallel log-softmax: TP rank r holds logits [N, V/tp] for the global vocab ids
-[r * V/tp, (r + 1) * V/tp). A max all-reduce and one sum all-reduce of three per-token statistics
-over the TP group replace the gather. Does not own the output layer or finding the group: the
-caller passes the TP process group, or None when the vocabulary is not sharded (no communication;
-None does not mean the default group here).
+[r * V/tp, (r + 1) * V/tp). Each rank reduces its shard to four numbers per token, relative to its
+own max (that max, sum e^(x - m), sum e^(x - m)(x - m), the target's x - m); one max all-reduce and
+one sum all-reduce over the TP group combine them exactly (a rank's sums rescale by e^(m_r - M)).
+Does not own the output layer or finding the group: the caller passes the TP process group, or
+None when the vocabulary is not sharded (no communication; None does not mean the default group).
 
-Memory: the logits are read `chunk_tokens` rows at a time, upcast to fp32 (or kept in fp64) per
-chunk, and only per-token statistics are kept for the backward, which recomputes each chunk's
-softmax and writes that chunk's gradient. So beyond the caller's logits and their gradient (in the
-logits' own dtype), at most a few [chunk_tokens, V/tp] fp32 temporaries exist at once: passing the
-model's bf16 logits, the whole path holds less than the fp32 logits would, where autograd through
-a full-width log-softmax held 6x them (docs/PERFORMANCE.md, "Log-prob memory").
-
+Two passes over [N, V/tp] make up the head, each one fused kernel: the forward's reduction (it
+reads the logits twice inside one kernel: the max, then the sums) and the backward, which reads
+them once more and writes the gradient in the logits' dtype. Nothing [N, V] is kept for the
+backward: only the per-token statistics. The kernels (`KERNELS`):
+  compiled  torch.compile (Inductor) of the two functions below, all tokens at once: Triton on a
+            GPU, C++ on a CPU. Nothing [N, V] is materialized but the gradient. The GPU's choice.
+  eager     the same two functions run op by op over chunks of tokens, so their fp32 temporaries
+            stay a fraction of the logits. The CPU's choice: megarl's CPU runs (tests, the demo)
+            have small vocabularies, where the compile (seconds per process) costs more than it
+            saves (docs/PERFORMANCE.md, "Log-prob head").
 Gradients follow Megatron's reduce-from-TP-region convention: every TP rank computes the same loss
-from the reduced statistics, which are sums of purely local terms (the shift is a constant), so
-each rank's gradient for its own shard is computed locally from the reduced statistics, exactly:
+from the reduced statistics, so each rank's gradient for its own shard is computed locally:
   d log p_t / dx_j = [j == t] - p_j,   dH / dx_j = -p_j (s_j - E_p[s]),   s = x - shift.
+When the loss does not use the entropy (`entropy_grad=False`) its gradient term is not computed.
 """
 
-from typing import Optional, Tuple
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-# Rows of [tokens, V/tp] upcast at once: 1024 x 151,936 (Qwen3's vocabulary, unsharded) x 4 bytes
-# is 0.6 GB a temporary, against 10 GB for the fp32 logits of a 16K-token micro-batch.
+# The eager kernels' chunk: at most this many rows of [tokens, V/tp] in fp32 at once (1024 x 151,936,
+# Qwen3's vocabulary, is 0.6 GB a temporary), and at least EAGER_MIN_CHUNKS chunks, so the
+# temporaries stay a fraction of the logits whatever the number of tokens.
 DEFAULT_CHUNK_TOKENS = 1024
+EAGER_MIN_CHUNKS = 8
+# fp32 [chunk, V/tp] temporaries the eager kernels hold at once: the forward's upcast copy and its
+# exp; the backward's upcast copy, p, the term that multiplies it, plus a bool [chunk, V/tp] mask and
+# the chunk's gradient in the logits' dtype before it is written in place.
+EAGER_FORWARD_TEMPORARIES = 2
+EAGER_BACKWARD_TEMPORARIES = 3
+
+
+def _local_statistics(x: torch.Tensor,  # [c, R] this shard's real columns, any float dtype
+                      local: torch.Tensor  # [c] target ids within this shard
+                      ) -> torch.Tensor:  # [c, 4] in the compute dtype
+    """Per token, relative to this shard's max m: (m, sum e^(x-m), sum e^(x-m) (x-m), x_t - m or 0
+    where the target is on another shard)."""
+    s = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)  # [c, R]
+    m = s.amax(-1)  # [c]
+    s.sub_(m[:, None])
+    here = (local >= 0) & (local < x.shape[-1])  # [c]
+    target = torch.where(here, s.gather(-1, torch.where(here, local, 0)[:, None]).squeeze(-1), 0.0)
+    e = s.exp()  # [c, R]
+    return torch.stack([m, e.sum(-1), e.mul_(s).sum(-1), target], -1)
+
+
+def _gradient(x: torch.Tensor,  # [c, W] the shard, padding columns included
+              local: torch.Tensor,  # [c]
+              real: int,  # columns [real, W) are the output layer's padding: probability 0
+              shift: torch.Tensor, log_z: torch.Tensor, mean_s: torch.Tensor,  # [c] each
+              g_lp: torch.Tensor,  # [c] d loss / d log p_t
+              g_h: Optional[torch.Tensor]  # [c] d loss / d H, None when the loss has no entropy
+              ) -> torch.Tensor:  # [c, W] in x's dtype
+    """d loss / d x = g_lp ([j == t] - p_j) - g_h p_j (s_j - E_p[s])."""
+    s = x.to(shift.dtype) - shift[:, None]  # [c, W]
+    p = (s - log_z[:, None]).exp()
+    scale = g_lp[:, None] if g_h is None else g_lp[:, None] + g_h[:, None] * (s - mean_s[:, None])
+    col = torch.arange(x.shape[-1], device=x.device)[None, :]  # [1, W]
+    grad = torch.where(col == local[:, None], g_lp[:, None], 0.0) - p * scale
+    return torch.where(col < real, grad, 0.0).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class HeadKernels:
+    """How the two passes run: the functions, and the tokens per call (None: all at once)."""
+    name: str
+    statistics: Callable
+    gradient: Callable
+    chunked: bool
+
+    def chunk_rows(self, tokens: int, chunk_tokens: int) -> int:
+        if not self.chunked:
+            return max(tokens, 1)
+        return max(1, min(chunk_tokens, math.ceil(tokens / EAGER_MIN_CHUNKS)))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn: Callable) -> Callable:
+    # dynamic: one kernel for every number of tokens and vocabulary shard width (packs vary).
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+EAGER = HeadKernels("eager", _local_statistics, _gradient, chunked=True)
+COMPILED = HeadKernels("compiled", lambda *a: _compiled(_local_statistics)(*a),
+                       lambda *a: _compiled(_gradient)(*a), chunked=False)
+KERNELS = {k.name: k for k in (EAGER, COMPILED)}
+
+
+def kernels_for(device: torch.device) -> HeadKernels:
+    """The kernels a device runs by default: compiled on a GPU, eager on a CPU (module docstring)."""
+    return COMPILED if torch.device(device).type != "cpu" else EAGER
 
 
 def _shard(logits: torch.Tensor, group: Optional[dist.ProcessGroup], vocab_size: Optional[int]):
@@ -41,89 +116,110 @@ def _shard(logits: torch.Tensor, group: Optional[dist.ProcessGroup], vocab_size:
     return vocab_start, min(max(vocab - vocab_start, 0), shard)
 
 
-def _chunk_statistics(x: torch.Tensor,  # [c, real V/tp], a copy in the compute dtype (overwritten)
-                      local: torch.Tensor,  # [c] target ids within this shard
-                      group: Optional[dist.ProcessGroup]) -> torch.Tensor:  # [c, 4]
-    """Per token: the shift (global max), log Z, the target's shifted logit and E_p[shifted]."""
-    # Any per-token constant works as the shift; the global max keeps exp() in range.
-    shift = x.amax(-1) if x.shape[-1] else x.new_full(x.shape[:1], float("-inf"))  # [c]
+def _combine(local_stats: torch.Tensor,  # [N, 4] this shard's, relative to its own max
+             here: torch.Tensor,  # [N] whether the target is on this shard
+             group: Optional[dist.ProcessGroup]) -> torch.Tensor:  # [N, 4]
+    """(shift, log Z, E_p[s], log p_t) over the whole vocabulary, relative to the global max M =
+    shift: every rank's sums rescaled by e^(m_r - M) (sum e^(x-M) (x-M) = e^(m_r-M) (W_r + (m_r -
+    M) Z_r)), then summed."""
+    m, z, w, target = local_stats.unbind(-1)
+    shift = m.clone()
     if group is not None:
         dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
-    x.sub_(shift[:, None])  # shifted, in place
-    here = (local >= 0) & (local < x.shape[-1])  # [c]
-    target = x.gather(-1, torch.where(here, local, 0)[:, None]).squeeze(-1) if x.shape[-1] \
-        else x.new_zeros(x.shape[:1])  # [c]
-    exp = x.exp()  # [c, real V/tp]: with x, the only [c, V] buffers
-    sum_exp = exp.sum(-1)
-    stats = torch.stack([torch.where(here, target, 0), sum_exp, exp.mul_(x).sum(-1)], -1)  # [c, 3]
+    delta = m - shift  # -inf on a shard of padding only, whose sums are 0
+    scale = delta.exp()
+    has = z > 0
+    sums = torch.stack([z * scale, torch.where(has, (w + delta * z) * scale, 0.0),
+                        torch.where(here, target + delta, 0.0)], -1)  # [N, 3]
     if group is not None:
-        dist.all_reduce(stats, group=group)
-    target, sum_exp, weighted = stats.unbind(-1)
-    return torch.stack([shift, sum_exp.log(), target, weighted / sum_exp], -1)
+        dist.all_reduce(sums, group=group)
+    z, w, target = sums.unbind(-1)
+    log_z = z.log()
+    return torch.stack([shift, log_z, w / z, target - log_z], -1)
 
 
 class _ChunkedLogSoftmax(torch.autograd.Function):
     """(log p of each target, entropy) [N] from logits [N, V/tp]; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_size, chunk_tokens):
+    def forward(ctx, logits, targets, group, vocab_size, chunk_tokens, kernels, entropy_grad):
         compute = torch.promote_types(logits.dtype, torch.float32)
         vocab_start, real = _shard(logits, group, vocab_size)
         local = targets - vocab_start  # [N]
-        stats = torch.cat([_chunk_statistics(logits[i:i + chunk_tokens, :real].to(compute, copy=True),
-                                             local[i:i + chunk_tokens], group)
-                           for i in range(0, logits.shape[0], chunk_tokens)]) \
-            if logits.shape[0] else logits.new_zeros(0, 4, dtype=compute)  # [N, 4]
-        _, log_z, target, mean_shifted = stats.unbind(-1)
+        tokens = logits.shape[0]
+        step = kernels.chunk_rows(tokens, chunk_tokens)
+        if real:
+            local_stats = torch.cat([kernels.statistics(logits[i:i + step, :real], local[i:i + step])
+                                     for i in range(0, tokens, step)]) if tokens \
+                else logits.new_zeros(0, 4, dtype=compute)
+        else:  # a shard of the output layer's padding only: no probability here
+            local_stats = logits.new_zeros(tokens, 4, dtype=compute)
+            local_stats[:, 0] = float("-inf")
+        stats = _combine(local_stats, (local >= 0) & (local < real), group)  # [N, 4]
+        shift, log_z, mean_s, logprob = stats.unbind(-1)
         ctx.save_for_backward(logits, local, stats)
-        ctx.chunk_tokens, ctx.real = chunk_tokens, real
-        # log p_t = s_t - log Z;  H = log Z - E_p[s].
-        return target - log_z, log_z - mean_shifted
+        ctx.step, ctx.real, ctx.kernels, ctx.entropy_grad = step, real, kernels, entropy_grad
+        entropy = log_z - mean_s  # H = log Z - E_p[s]
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):  # [N], [N]
         logits, local, stats = ctx.saved_tensors
-        step, real = ctx.chunk_tokens, ctx.real
+        step, real, kernels = ctx.step, ctx.real, ctx.kernels
+        shift, log_z, mean_s, _ = stats.unbind(-1)
+        g_lp = grad_logprob.to(stats.dtype)
+        g_h = grad_entropy.to(stats.dtype) if ctx.entropy_grad else None
+        if not kernels.chunked:
+            return kernels.gradient(logits, local, real, shift, log_z, mean_s, g_lp, g_h), \
+                None, None, None, None, None, None
         grad = torch.empty_like(logits)
-        grad[:, real:] = 0  # the output layer's padding: probability 0
         for i in range(0, logits.shape[0], step):
-            shift, log_z, _, mean_shifted = stats[i:i + step, :, None].unbind(1)  # [c, 1] each
-            g_lp, g_h = grad_logprob[i:i + step, None], grad_entropy[i:i + step, None]  # [c, 1]
-            s = logits[i:i + step, :real].to(stats.dtype, copy=True).sub_(shift)  # [c, real V/tp]
-            p = (s - log_z).exp_()  # [c, real V/tp]: with s, the only [c, V] buffers
-            chunk = s.sub_(mean_shifted).mul_(g_h).add_(g_lp).mul_(p).neg_()  # -p (g_lp + g_h (s - E[s]))
-            at = local[i:i + step]
-            here = (at >= 0) & (at < real)
-            rows = torch.arange(at.shape[0], device=at.device)[here]
-            chunk[rows, at[here]] += g_lp[here, 0]  # + g_lp at the target
-            grad[i:i + step, :real] = chunk
-        return grad, None, None, None, None
+            rows = slice(i, i + step)
+            grad[rows] = kernels.gradient(logits[rows], local[rows], real, shift[rows], log_z[rows],
+                                          mean_s[rows], g_lp[rows], None if g_h is None else g_h[rows])
+        return grad, None, None, None, None, None, None
 
 
 def working_bytes(tokens: int, vocab_shard: int, logits_bytes: int, backward: bool,
-                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
+                  device: str = "cuda", chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
     """Pure: the most bytes logprobs_and_entropy allocates beyond the logits it is given [tokens,
-    vocab_shard] of `logits_bytes` each: two [chunk, V/tp] temporaries in the compute dtype (the
-    upcast copy and exp, then s and p in the backward), and with `backward` the logits' gradient
-    in their own dtype (the memory planner's log-prob term, trainer/memory_plan.py)."""
+    vocab_shard] of `logits_bytes` each, with the kernels `device` runs (kernels_for): with
+    `backward`, the logits' gradient in their own dtype; the per-token statistics; and the eager
+    kernels' [chunk, V/tp] temporaries (the memory planner's log-prob term, trainer/memory_plan.py)."""
+    kernels = kernels_for(torch.device(device))
     compute = max(logits_bytes, 4)
-    chunk = 2 * min(chunk_tokens, tokens) * vocab_shard * compute
-    return chunk + (tokens * vocab_shard * logits_bytes if backward else 0)
+    statistics = tokens * 8 * compute  # [N, 4] local, [N, 4] combined
+    gradient = tokens * vocab_shard * logits_bytes if backward else 0
+    if not kernels.chunked:
+        return gradient + statistics
+    rows = kernels.chunk_rows(tokens, chunk_tokens) * vocab_shard
+    chunk = rows * (EAGER_BACKWARD_TEMPORARIES * compute + 1 + logits_bytes) if backward \
+        else rows * EAGER_FORWARD_TEMPORARIES * compute
+    return gradient + statistics + chunk
 
 
 def logprobs_and_entropy(logits: torch.Tensor,  # [..., V/tp], any float dtype
                          targets: torch.Tensor,  # [...] global vocab ids, < vocab_size
                          group: Optional[dist.ProcessGroup],
                          vocab_size: Optional[int] = None,
-                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tuple[torch.Tensor, torch.Tensor]:
+                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                         kernels: Optional[str] = None,
+                         entropy_grad: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each target [...], entropy [...]) of softmax over the whole vocabulary, in
     fp32 (fp64 logits stay fp64). Columns with global id >= vocab_size (padding of the output
     layer) get probability 0; None means the shards hold no padding. Pass the model's logits as
-    they are: upcasting them whole first is the memory this function avoids."""
+    they are: upcasting them whole first is the memory this function avoids. `kernels`: a name in
+    KERNELS, None for the device's (kernels_for). `entropy_grad=False`: the entropy is returned
+    without a gradient (a loss without an entropy term), and its gradient terms are not computed."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1 (rows of logits upcast at once)")
+    if kernels is not None and kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}: choose one of {sorted(KERNELS)} (None: the device's)")
+    chosen = KERNELS[kernels] if kernels else kernels_for(logits.device)
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])  # [N, V/tp]
     logprob, entropy = _ChunkedLogSoftmax.apply(flat, targets.reshape(-1), group, vocab_size,
-                                                chunk_tokens)
+                                                chunk_tokens, chosen, entropy_grad)
     return logprob.reshape(lead), entropy.reshape(lead)
