@@ -24,20 +24,27 @@ the plan, indexed once when the plan is built).
 `seconds` is when the last rank is done under that schedule; `seconds_barrier` makes each phase
 of each round a barrier of all ranks (an upper bound); `seconds_rank_bound` is the busiest rank's own time
 alone (a lower bound).
-Defaults of --copy-us, --hbm-gbps and --pack-gbps:
-measured on one H100, 2026-11-26, megarl's transport: bench/bench_sync_copies.py --device cuda
-(--experts 128 --hidden 2048 --width 768: a Qwen3-30B-A3B TP8 rank's 393 KB expert slabs;
---experts 64 --hidden 7168 --width 2048: 3.67 MB slabs; cluster_plan.Links says more):
-  --copy-us 7.3    a batched Copy (its views + its share of the round's torch._foreach_copy_):
-                   7.3 us at 393 KB slabs, 10.0 us at 3.67 MB (7.3 + bytes / 1482 GB/s charges
-                   7.57 and 9.78 us)
-  --hbm-gbps 1482  a plain 1 GiB device copy: local copies and unpacking (the same batched copy)
-  --pack-gbps 222  packing a send buffer with torch.cat (393 KB slabs, their views included)
-Assumed: H100 SXM NVLink 4 900 GB/s bidirectional -> 450; one 400 Gb/s InfiniBand NIC per GPU
--> 50; 10 us a message; 100 us a round. One launch per slab, as the transport wrote copies before
-it batched them, was 25 us on an H100 (--copy-us 25). Until 2026-11-26 the defaults were 5 us a
-Copy (measured on a 2-core CPU machine) and 1500 GB/s for local copies, packing and unpacking
-alike (--copy-us 5 --hbm-gbps 1500 --pack-gbps 1500).
+Defaults of --copy-us, --hbm-gbps and --pack-gbps: the GPU kind's, measured against megarl's
+transport with bench/bench_sync_copies.py --device cuda --experts 128 --hidden 2048 --width 768
+(a Qwen3-30B-A3B TP8 rank's 393 KB expert slabs; megarl/resharding/gpu_kinds.py holds the table,
+docs/gpu/sync_copies.json each run's figures, cluster_plan.Links says more). The kind: --gpu
+h100|h200, else the visible GPU's (torch.cuda.get_device_name), else h100 where no GPU is
+visible (a login node); a GPU of another kind is refused. The output names the kind, how it was
+chosen and any constant set apart from it:
+                   h100 (2026-11-26)  h200 (2026-11-28)
+  --copy-us        7.3                11.7     a batched Copy (its views + its share of the
+                                               round's torch._foreach_copy_); on the H100 10.0 us
+                                               at 3.67 MB slabs (7.3 + bytes / 1482 GB/s charges
+                                               7.57 and 9.78 us)
+  --hbm-gbps       1482               2086     a plain 1 GiB device copy: local copies and
+                                               unpacking (the same batched copy)
+  --pack-gbps      222                95       packing a send buffer with torch.cat (393 KB
+                                               slabs, their views included)
+Assumed for every kind: NVLink 4 (H100 and H200 SXM) 900 GB/s bidirectional -> 450; one 400 Gb/s
+InfiniBand NIC per GPU -> 50; 10 us a message; 100 us a round. One launch per slab, as the
+transport wrote copies before it batched them, was 25 us on an H100 (--copy-us 25). Until
+2026-11-26 the defaults were 5 us a Copy (measured on a 2-core CPU machine) and 1500 GB/s for
+local copies, packing and unpacking alike (--copy-us 5 --hbm-gbps 1500 --pack-gbps 1500).
 Not modelled: the engine's per-module processing after a load (vLLM's process_weights_after_
 loading), contention between ranks on a shared switch or PCIe link, NCCL's channel limits.
 
@@ -47,8 +54,10 @@ The last line printed is one JSON object.
 import argparse
 import json
 import os
+from typing import Optional, Tuple
 
 from megarl.resharding import cluster_plan as cp
+from megarl.resharding import gpu_kinds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,19 +70,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--dtype", default=None, help="the model's dtype (default: the config's)")
     parser.add_argument("--bucket-mb", type=float, default=256.0)
-    links = cp.DEFAULT_LINKS
+    links, kinds = cp.Links(), gpu_kinds.KINDS.values()
+
+    def per_kind(name: str) -> str:
+        return "default: the GPU kind's (" + ", ".join(f"{k.name} {getattr(k, name):g}" for k in kinds) + ")"
+
+    parser.add_argument("--gpu", default=None, metavar="|".join(gpu_kinds.KINDS),
+                        help="the GPU kind whose measured constants (--copy-us, --hbm-gbps, --pack-gbps) "
+                             "cost the plan; default: the visible GPU's, else h100")
     parser.add_argument("--nvlink-gbps", type=float, default=links.nvlink_gbps,
-                        help="GB/s per GPU per direction within a node (H100 NVLink 4: 900 / 2)")
+                        help="GB/s per GPU per direction within a node (NVLink 4: 900 / 2)")
     parser.add_argument("--ib-gbps", type=float, default=links.ib_gbps,
                         help="GB/s per GPU per direction across nodes (400 Gb/s InfiniBand = 50)")
-    parser.add_argument("--hbm-gbps", type=float, default=links.hbm_gbps,
-                        help="GB/s of a device-memory copy: local copies and unpacking (H100: 1482)")
-    parser.add_argument("--pack-gbps", type=float, default=links.pack_gbps,
-                        help="GB/s of packing a send buffer with torch.cat (H100, 393 KB slabs: 222)")
+    parser.add_argument("--hbm-gbps", type=float, default=None,
+                        help="GB/s of a device-memory copy: local copies and unpacking; "
+                             + per_kind("hbm_gbps"))
+    parser.add_argument("--pack-gbps", type=float, default=None,
+                        help="GB/s of packing a send buffer with torch.cat (393 KB slabs); "
+                             + per_kind("pack_gbps"))
     parser.add_argument("--message-us", type=float, default=links.message_us, help="per P2P message")
-    parser.add_argument("--copy-us", type=float, default=links.copy_us,
+    parser.add_argument("--copy-us", type=float, default=None,
                         help="per Copy of the plan a rank handles (its views and its share of the "
-                             "round's batched copy; H100: 7.3)")
+                             "round's batched copy); " + per_kind("copy_us"))
     parser.add_argument("--round-us", type=float, default=links.round_us, help="per round of a bucket")
     parser.add_argument("--max-regions", type=int, default=cp.MAX_REGIONS,
                         help="above this many destination regions, plan one engine per distinct placement")
@@ -138,8 +156,18 @@ def _load_config(path: str) -> dict:
         return json.load(f)
 
 
-def build(args: argparse.Namespace) -> cp.ClusterPlan:
-    """The plan the parsed arguments describe; ValueError names what is wrong."""
+def links_of(args: argparse.Namespace, device: Optional[str]) -> Tuple[cp.Links, str]:
+    """The cost model's constants: the GPU kind's (--gpu, else `device`'s, the visible GPU's name
+    or None), any of them set by its own flag; and how the kind was chosen."""
+    kind, how = gpu_kinds.choose(args.gpu, device)
+    measured = {name: getattr(args, name) for name in cp.MEASURED if getattr(args, name) is not None}
+    return cp.Links.of(kind, nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps, message_us=args.message_us,
+                       round_us=args.round_us, **measured), how
+
+
+def build(args: argparse.Namespace) -> Tuple[cp.ClusterPlan, str]:
+    """The plan the parsed arguments describe, and how its GPU kind was chosen; ValueError names
+    what is wrong."""
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ValueError(f"--nodes {args.nodes} and --gpus-per-node {args.gpus_per_node} must be positive")
     if not args.bucket_mb > 0:
@@ -147,11 +175,9 @@ def build(args: argparse.Namespace) -> cp.ClusterPlan:
     arch = cp.arch_of(_load_config(args.hf_config), args.dtype)
     dims = cp.train_dims(args.train, args.nodes * args.gpus_per_node)
     rollout = cp.rollout_layout(args.rollout)
-    links = cp.Links(nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps, hbm_gbps=args.hbm_gbps,
-                     pack_gbps=args.pack_gbps, message_us=args.message_us, copy_us=args.copy_us,
-                     round_us=args.round_us)
+    links, how = links_of(args, None if args.gpu else gpu_kinds.visible_device())
     return cp.plan_cluster(arch, dims, rollout, args.gpus_per_node, int(args.bucket_mb * 2**20), links,
-                           max_regions=10**18 if args.all_engines else args.max_regions)
+                           max_regions=10**18 if args.all_engines else args.max_regions), how
 
 
 def _table(result: cp.ClusterPlan, show: int) -> None:
@@ -170,10 +196,13 @@ def _table(result: cp.ClusterPlan, show: int) -> None:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
 
 
-def report(result: cp.ClusterPlan, show: int = 8, lora=None) -> dict:
+def report(result: cp.ClusterPlan, show: int = 8, lora=None, gpu_choice: str = "") -> dict:
     """Print the plan's figures; the last line is the summary as JSON (also returned). `lora`: a
-    LoraConfig whose adapters-only sync is planned too."""
+    LoraConfig whose adapters-only sync is planned too; `gpu_choice`: how the GPU kind was chosen."""
     summary = result.summary()
+    gpu = summary["gpu"]
+    if gpu_choice:
+        gpu["chosen_by"] = gpu_choice
     arch, dims, timing = result.arch, result.dims, result.timing
     params = result.model_bytes / cp.DTYPES[arch.dtype].itemsize
     print(f"model: {arch.architecture}, {params / 1e9:.1f}B parameters (vocabulary padded as "
@@ -197,7 +226,10 @@ def report(result: cp.ClusterPlan, show: int = 8, lora=None) -> dict:
           f"{cp.gb(summary['max_bytes_inter_node_per_rank'])}, shard "
           f"{cp.gb(summary['max_shard_bytes_per_rank'])}, messages sent {summary['max_messages_per_rank']}, "
           f"peak {cp.gb(summary['peak_bytes_per_rank'])}")
-    print("assumptions: " + ", ".join(f"{k} {v:g}" for k, v in summary["assumptions"].items()))
+    print(f"GPU constants: {gpu_kinds.KINDS[gpu['kind']].describe()}"
+          + (f"; chosen by {gpu_choice}" if gpu_choice else "")
+          + (f"; set apart by flags: {', '.join(gpu['set_apart'])}" if gpu["set_apart"] else ""))
+    print("assumptions: " + ", ".join(f"{k} {v:g}" for k, v in summary["assumptions"].items() if k != "gpu"))
     busiest = result.ranks[summary["busiest_rank"]]
     print("busiest rank, whole sync: " + cp.arithmetic(busiest, result.links))
     terms = summary["busiest_rank_seconds_by_term"]
@@ -232,10 +264,10 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     try:
         lora = lora_config(args.lora) if args.lora else None
-        result = build(args)
+        result, how = build(args)
     except ValueError as error:
         parser.error(str(error))
-    return report(result, args.show, lora)
+    return report(result, args.show, lora, how)
 
 
 if __name__ == "__main__":

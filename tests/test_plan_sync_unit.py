@@ -13,6 +13,7 @@ from megarl.models.destination import DestTensor, Region, RolloutLayout, vllm_la
 from megarl.models.hf_config import ModelArch
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import cluster_plan as cp
+from megarl.resharding import gpu_kinds
 from megarl.resharding.plan import Bucket, Copy, Plan, build_plan
 from megarl.resharding.source_layout import layout_pieces
 from tests.published_configs import DEEPSEEK_V3, KIMI_K2, QWEN3_30B_A3B, QWEN3_32B, QWEN3_235B_A22B
@@ -94,20 +95,93 @@ def test_seconds_arithmetic_by_hand():
     assert r0.peak_bytes == 20_000_000 + 200_000
 
 
-def test_default_constants_are_the_h100_measurements():
-    """scripts/plan_sync.py's defaults are what bench/bench_sync_copies.py --device cuda measured
-    on one H100 (2026-11-26) against megarl's transport: a batched Copy 7.3 us (393 KB slabs of a
-    Qwen3-30B-A3B TP8 rank; 10.0 us at 3.67 MB), torch.cat packing 222 GB/s, a plain 1 GiB copy
-    1482 GB/s. The model charges a slab copy_us + bytes / hbm_gbps: within 5% of both Copy
-    measurements (they were 1.34-1.38x the earlier 5 us + bytes / 1500 GB/s). The help text
-    names the source."""
-    links = cp.DEFAULT_LINKS
-    assert (links.copy_us, links.pack_gbps, links.hbm_gbps) == (7.3, 222.0, 1482.0)
-    for slab_bytes, measured_us in ((393_216, 7.3), (3_670_016, 10.0)):
-        charged_us = links.copy_us + slab_bytes / (links.hbm_gbps * 1e9) * 1e6
-        assert charged_us == pytest.approx(measured_us, rel=0.05), slab_bytes
-    assert "measured on one H100, 2026-11-26, megarl's transport: bench/bench_sync_copies.py " \
-        "--device cuda" in _script()._parser().format_help()
+def _measured():
+    with open(os.path.join(ROOT, "docs", "gpu", "sync_copies.json")) as f:
+        return json.load(f)
+
+
+def test_each_kinds_constants_are_its_measurements():
+    """gpu_kinds.KINDS is what bench/bench_sync_copies.py --device cuda measured against megarl's
+    transport (docs/gpu/sync_copies.json: the H200's line as gpu_check.json holds it, 2026-11-28,
+    ../shared/gpu/2026-11-28/; the H100's as DESIGN.md records it, 2026-11-26), rounded: a Copy
+    to 0.1 us, the bandwidths to 0.5%. On the H100 the model's charge for a slab, copy_us + bytes
+    / hbm_gbps, is within 5% of both Copy measurements (393 KB and 3.67 MB slabs). The defaults of
+    Links are the H100's, and the script's help gives every kind's figures."""
+    measured = _measured()
+    assert set(gpu_kinds.KINDS) == {"h100", "h200"} <= set(measured)
+    for name, kind in gpu_kinds.KINDS.items():
+        result = measured[name]["result"]
+        assert result["slab_bytes"] == 393_216, name
+        assert kind.copy_us == pytest.approx(result["batched_us_per_copy"], abs=0.05), name
+        assert kind.pack_gbps == pytest.approx(result["pack_GBps"], rel=0.005), name
+        assert kind.hbm_gbps == pytest.approx(result["plain_copy_GBps"], rel=0.005), name
+        assert kind.device in measured[name]["machine"], name
+    assert measured["h200"]["result"]["batched_us_per_copy"] == pytest.approx(11.7428, abs=1e-4)
+    h100 = gpu_kinds.KINDS["h100"]
+    for result in (measured["h100"]["result"], measured["h100"]["larger_slabs"]["result"]):
+        charged_us = h100.copy_us + result["slab_bytes"] / (h100.hbm_gbps * 1e9) * 1e6
+        assert charged_us == pytest.approx(result["batched_us_per_copy"], rel=0.05), result
+    assert cp.Links() == cp.Links.of(h100) and cp.Links().gpu == "h100"
+    help_text = _script()._parser().format_help()
+    for flag, name in (("--copy-us", "copy_us"), ("--pack-gbps", "pack_gbps"), ("--hbm-gbps", "hbm_gbps")):
+        row = next(line for line in help_text.splitlines() if line.lstrip().startswith(flag + " "))
+        assert row.split()[1:3] == [f"{getattr(k, name):g}" for k in gpu_kinds.KINDS.values()], row
+
+
+def test_the_gpu_kind_is_the_flags_else_the_visible_devices():
+    choose = gpu_kinds.choose
+    h100, h200 = gpu_kinds.KINDS["h100"], gpu_kinds.KINDS["h200"]
+    assert choose(None, "NVIDIA H200") == (h200, "the visible GPU, NVIDIA H200")
+    assert choose(None, "NVIDIA H100 80GB HBM3")[0] == h100
+    assert choose("h200", "NVIDIA H100 80GB HBM3") == (h200, "--gpu h200")  # the flag wins
+    assert choose("H100", "NVIDIA A100-SXM4-80GB")[0] == h100  # over an unknown device too
+    kind, how = choose(None, None)
+    assert kind == h100 and how.startswith("the default: no GPU visible") and "--gpu h100|h200" in how
+    for device in ("NVIDIA A100-SXM4-80GB", "NVIDIA GH200 480GB"):  # GH200: no H200, not measured
+        with pytest.raises(ValueError, match=rf"GPU '{device}' has no measured sync constants "
+                                             r"\(kinds: h100, h200\): pass --gpu h100\|h200"):
+            choose(None, device)
+    with pytest.raises(ValueError, match=r"--gpu 'a100': no such kind; expected one of h100, h200"):
+        choose("a100", "NVIDIA H200")
+    # the script's own path from its flags and a device name to the plan's constants
+    script = _script()
+    parser = script._parser()
+    base = ["--hf-config", "x", "--train", "tp=1", "--rollout", "tp=1", "--nodes", "1"]
+    links, how = script.links_of(parser.parse_args(base), "NVIDIA H200")
+    assert links == cp.Links.of(h200) and how == "the visible GPU, NVIDIA H200"
+    flagged = parser.parse_args(base + ["--gpu", "h100", "--copy-us", "25"])
+    links, how = script.links_of(flagged, "NVIDIA H200")
+    assert (links.gpu, links.copy_us, links.pack_gbps, how) == ("h100", 25.0, 222.0, "--gpu h100")
+    assert links.departures() == ["copy_us"]
+    with pytest.raises(ValueError, match="has no measured sync constants"):
+        script.links_of(parser.parse_args(base), "Tesla V100-SXM2-32GB")
+
+
+@pytest.mark.parametrize("kind,copy_us,pack_gbps,hbm_gbps", [("h100", 7.3, 222.0, 1482.0),
+                                                              ("h200", 11.7, 95.0, 2086.0)])
+def test_a_plans_seconds_by_hand_for_each_kind(kind, copy_us, pack_gbps, hbm_gbps):
+    """One round on one node: rank 1 packs two 393,216-byte slabs (a Qwen3-30B-A3B TP8 expert
+    slab) into one message to rank 0 and sends it a 2 MB row slab directly; rank 0 copies 3 MB
+    locally. Rank 0's seconds written out with the kind's constants as measured (the numbers in
+    the parametrization, not the table's): pre, network (receive: the bytes over NVLink + 2
+    messages), post, one round."""
+    links = cp.Links.of(gpu_kinds.KINDS[kind])
+    slab = 393_216 // 2  # elements of a bf16 slab
+    copies = (_copy(1, 0, 1_000_000, itemsize_dtype="torch.bfloat16"),
+              _copy(1, 0, slab, dim=1, itemsize_dtype="torch.bfloat16"),
+              _copy(1, 0, slab, dim=1, itemsize_dtype="torch.bfloat16"),
+              _copy(0, 0, 1_500_000, itemsize_dtype="torch.bfloat16"))
+    plan = Plan((Bucket({0: ("m",)}, (copies,)),), {})
+    stats, timing = cp.plan_stats(plan, (0, 0), 2, links)
+    r0, r1 = stats[0], stats[1]
+    assert (r0.recv_intra, r0.local_bytes, r0.packed_received, r0.messages_received) == (
+        2_786_432, 3_000_000, 786_432, 2)
+    pre = 1 * copy_us * 1e-6 + 3_000_000 / (hbm_gbps * 1e9)
+    network = 2_786_432 / 450e9 + 2 * 10e-6
+    post = 3 * copy_us * 1e-6 + 786_432 / (hbm_gbps * 1e9)
+    assert r0.seconds == pytest.approx(pre + network + post + 100e-6, rel=1e-12)
+    assert r1.terms["pre"] == pytest.approx(3 * copy_us * 1e-6 + 786_432 / (pack_gbps * 1e9), rel=1e-12)
+    assert timing.seconds == pytest.approx(max(r1.terms["pre"], pre) + network + post + 100e-6, rel=1e-12)
 
 
 def test_rounds_run_in_parallel_unless_they_share_a_rank():
@@ -181,9 +255,9 @@ def test_the_script_prints_one_json_object_last(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(QWEN3_30B_A3B | {"num_hidden_layers": 2, "vocab_size": 4096}))
     plan_sync = _script()
-    summary = plan_sync.main(["--hf-config", str(tmp_path), "--train", "tp=2,pp=2,ep=2,etp=1",
-                              "--rollout", "tp=4", "--nodes", "2", "--gpus-per-node", "4",
-                              "--bucket-mb", "64"])
+    argv = ["--hf-config", str(tmp_path), "--train", "tp=2,pp=2,ep=2,etp=1", "--rollout", "tp=4",
+            "--nodes", "2", "--gpus-per-node", "4", "--bucket-mb", "64"]
+    summary = plan_sync.main(argv)
     lines = capsys.readouterr().out.strip().splitlines()
     last = json.loads(lines[-1])
     assert last == json.loads(json.dumps(summary))
@@ -195,6 +269,15 @@ def test_the_script_prints_one_json_object_last(tmp_path, capsys):
     assert last["seconds_rank_bound"] <= last["seconds"] <= last["seconds_barrier"]
     assert last["max_bytes_inter_node_per_rank"] > 0 and last["messages"] > 0
     assert any(line.startswith("busiest rank, whole sync: rank ") for line in lines)
+    here, how = gpu_kinds.choose(None, gpu_kinds.visible_device())  # no GPU on CI: the default
+    assert last["gpu"] | {"chosen_by": how} == last["gpu"] and last["gpu"]["kind"] == here.name
+    assert f"GPU constants: {here.describe()}; chosen by {how}" in lines
+    h200 = plan_sync.main(argv + ["--gpu", "h200"])
+    assert h200["gpu"] == {"kind": "h200", "measured_on": "NVIDIA H200", "copy_us": 11.7, "pack_gbps": 95.0,
+                           "hbm_gbps": 2086.0, "set_apart": [], "chosen_by": "--gpu h200",
+                           "measured": gpu_kinds.KINDS["h200"].measured}
+    assert h200["assumptions"]["copy_us"] == 11.7 and h200["seconds"] != last["seconds"]
+    assert h200["max_bytes_received_per_rank"] == last["max_bytes_received_per_rank"]
 
 
 def test_the_lora_plan_puts_every_adapter_on_every_engine_rank(capsys):
@@ -228,6 +311,7 @@ def test_the_lora_plan_puts_every_adapter_on_every_engine_rank(capsys):
     (["--rollout", "tp=3"], "rollout tp 3 must divide the 32 attention heads"),
     (["--nodes", "0"], "--nodes 0 and --gpus-per-node 8 must be positive"),
     (["--hf-config", "/nonexistent/config.json"], "no such file"),
+    (["--gpu", "a100"], "--gpu 'a100': no such kind; expected one of h100, h200"),
 ])
 def test_the_script_refuses_bad_flags(flags, message, capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))

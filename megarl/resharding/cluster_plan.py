@@ -6,8 +6,9 @@ destination.vllm_layout, cut by plan.build_plan with each rank's node. `plan_sta
 pass over the plan, what each rank receives and sends within its node and across nodes, the
 messages transport.py posts for it (the same rule: Copy.direct), and its planned peak
 memory (as sync.py counts it: a bucket's opened engine tensors + its largest round's buffers),
-and turns that into seconds at stated link speeds (every constant is a field of `Links`; the
-model is written out in scripts/plan_sync.py's docstring).
+and turns that into seconds at stated link speeds (every constant is a field of `Links`, the
+measured ones per GPU kind from gpu_kinds.KINDS; the model is written out in
+scripts/plan_sync.py's docstring).
 
 Large layouts: each engine adds its own copies (a rollout TP8 rank of a 128-expert model holds
 every expert of every layer: ~36k copies per rank for Qwen3-235B). When the estimate exceeds
@@ -26,7 +27,7 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 from megarl.models.destination import RolloutLayout, check_rollout, vllm_layout
 from megarl.models.hf_config import DTYPES, ModelArch, arch_from_hf_config
 from megarl.parallel_state.dims import ParallelDims
-from megarl.resharding import metadata
+from megarl.resharding import gpu_kinds, metadata
 from megarl.resharding.plan import Plan, build_plan
 from megarl.resharding.source_layout import layout_pieces, rank_coords
 
@@ -88,45 +89,69 @@ def arch_of(config: dict, dtype: Optional[str] = None) -> ModelArch:
     return arch
 
 
+MEASURED = ("copy_us", "pack_gbps", "hbm_gbps")  # the constants measured per GPU kind (gpu_kinds)
+
+
 @dataclass(frozen=True)
 class Links:
     """The cost model's constants. GB/s are 1e9 bytes per second, per GPU, per direction.
-    Measured on one H100 80GB HBM3, 2026-11-26 (torch 2.11), against megarl's transport:
+    Measured per GPU kind (gpu_kinds.KINDS, `Links.of`): copy_us, hbm_gbps and pack_gbps are what
     `python bench/bench_sync_copies.py --device cuda --experts 128 --hidden 2048 --width 768` (a
-    Qwen3-30B-A3B TP8 rank's expert slabs, 393 KB) and `... --experts 64 --hidden 7168 --width
-    2048` (3.67 MB slabs), each timing ending with a synchronize:
-    - copy_us 7.3: the time per Copy a rank handles, host work and its share of the kernels.
-      transport.py builds each Copy's source and target views and writes a round's copies with
-      one torch._foreach_copy_: 7.3 us a Copy (`batched_us_per_copy`) at 393 KB, 10.0 us at 3.67
-      MB. Charged copy_us + bytes / hbm_gbps, that is 7.57 us and 9.78 us (+4%, -2% of the
-      measurements; the earlier 5 us + bytes / 1500 GB/s charged 5.26 us and 7.45 us, 1.38x and
-      1.34x too little).
-    - hbm_gbps 1482: a plain warm 1 GiB bf16 copy_ (`plain_copy_GBps`). It charges the bytes of
-      local copies and of unpacking: the transport writes received slabs out of their buffer with
-      the same batched torch._foreach_copy_ it writes local copies with, which copy_us measured.
-    - pack_gbps 222: packing a send buffer, the transport's torch.cat of the same 393 KB slabs
-      (`pack_GBps`), 6.7x slower than a plain copy: 1.8 us a slab where the bytes alone take 0.27
-      us, the rest per-slab host work (its inputs' views, not measured apart). copy_us, which
-      every Copy a rank sends also pays, charges views too: a conservative charge for packed sends.
+    Qwen3-30B-A3B TP8 rank's expert slabs, 393 KB; each timing ending with a synchronize) measured
+    against megarl's transport on that kind; the field defaults are gpu_kinds.DEFAULT's (H100):
+    - copy_us (H100 7.3, H200 11.7): the time per Copy a rank handles, host work and its share of
+      the kernels. transport.py builds each Copy's source and target views and writes a round's
+      copies with one torch._foreach_copy_ (`batched_us_per_copy`). On the H100 also at 3.67 MB
+      slabs (`--experts 64 --hidden 7168 --width 2048`): 10.0 us. Charged copy_us + bytes /
+      hbm_gbps, that is 7.57 us and 9.78 us (+4%, -2% of the H100's measurements; the earlier
+      5 us + bytes / 1500 GB/s charged 5.26 us and 7.45 us, 1.38x and 1.34x too little).
+    - hbm_gbps (H100 1482, H200 2086): a plain warm 1 GiB bf16 copy_ (`plain_copy_GBps`). It
+      charges the bytes of local copies and of unpacking: the transport writes received slabs out
+      of their buffer with the same batched torch._foreach_copy_ it writes local copies with, which
+      copy_us measured.
+    - pack_gbps (H100 222, H200 95): packing a send buffer, the transport's torch.cat of the same
+      393 KB slabs (`pack_GBps`; on the H100 6.7x slower than a plain copy: 1.8 us a slab where the
+      bytes alone take 0.27 us, the rest per-slab host work, its inputs' views, not measured
+      apart). copy_us, which every Copy a rank sends also pays, charges views too: a conservative
+      charge for packed sends.
     One launch per slab (narrow + copy_ of a 1.5 MB expert slab on that H100, launch-bound,
-    23.7-25.8 us) is what the transport did before it batched: --copy-us 25. On this project's
+    23.7-25.8 us) is what the transport did before it batched: copy_us 25. On this project's
     2-core CPU machine a batched Copy of 24 KB slabs costs 6.3-6.7 us, 4.5 us of it the views.
-    Assumed: the link speeds (nominal), message_us, round_us."""
-    nvlink_gbps: float = 450.0   # H100 SXM NVLink 4: 900 GB/s bidirectional / 2
+    Assumed for every kind: the link speeds (nominal), message_us, round_us. `gpu` names the kind
+    whose measurements the three measured fields default to (`departures` lists those set apart)."""
+    nvlink_gbps: float = 450.0   # H100/H200 SXM NVLink 4: 900 GB/s bidirectional / 2
     ib_gbps: float = 50.0        # one 400 Gb/s InfiniBand NIC per GPU (DGX H100: 8 x CX-7)
-    hbm_gbps: float = 1482.0     # device-memory copy (local copies, unpacking), bytes per second
-    pack_gbps: float = 222.0     # packing a send buffer (torch.cat of its slabs), bytes per second
+    hbm_gbps: float = gpu_kinds.KINDS[gpu_kinds.DEFAULT].hbm_gbps    # device-memory copy (local
+                                 # copies, unpacking), bytes per second
+    pack_gbps: float = gpu_kinds.KINDS[gpu_kinds.DEFAULT].pack_gbps  # packing a send buffer
+                                 # (torch.cat of its slabs), bytes per second
     message_us: float = 10.0     # per P2P message sent or received (NCCL send/recv)
-    copy_us: float = 7.3         # per Copy a rank handles (source or destination): views + its
-                                 # share of the round's batched copy
+    copy_us: float = gpu_kinds.KINDS[gpu_kinds.DEFAULT].copy_us      # per Copy a rank handles
+                                 # (source or destination): views + its share of the round's
+                                 # batched copy
     round_us: float = 100.0      # per round (batch_isend_irecv + wait, buffers, engine open/close)
+    gpu: str = gpu_kinds.DEFAULT  # the kind the measured constants are of (gpu_kinds.KINDS)
 
     def __post_init__(self):
+        if self.gpu not in gpu_kinds.KINDS:
+            raise ValueError(f"gpu {self.gpu!r}: expected one of {', '.join(gpu_kinds.KINDS)}")
         for name, value in asdict(self).items():
+            if name == "gpu":
+                continue
             if not value >= 0 or (name.endswith("gbps") and not value > 0):
                 raise ValueError(f"{name} must be {'positive' if name.endswith('gbps') else '>= 0'}, "
                                  f"got {value}")
 
+    @classmethod
+    def of(cls, kind: gpu_kinds.GpuKind, **overrides) -> "Links":
+        """`kind`'s measured constants, the assumed ones at their defaults; `overrides` set any."""
+        measured = dict(copy_us=kind.copy_us, pack_gbps=kind.pack_gbps, hbm_gbps=kind.hbm_gbps)
+        return cls(**{**measured, **overrides, "gpu": kind.name})
+
+    def departures(self) -> List[str]:
+        """The measured constants set to other values than their kind's."""
+        kind = gpu_kinds.KINDS[self.gpu]
+        return [name for name in MEASURED if getattr(self, name) != getattr(kind, name)]
 
 DEFAULT_LINKS = Links()
 
@@ -383,6 +408,13 @@ class ClusterPlan:
                 "bounds), and the peak is an estimate (with fewer senders, rounds and buckets split "
                 "later than in the full plan)")
 
+    def gpu_note(self) -> dict:
+        """The GPU kind whose measured constants cost the plan, and any set apart from them."""
+        kind = gpu_kinds.KINDS[self.links.gpu]
+        return {"kind": kind.name, "measured_on": kind.device, "measured": kind.measured,
+                **{name: getattr(self.links, name) for name in MEASURED},
+                "set_apart": self.links.departures()}
+
     def summary(self) -> dict:
         recv = self.receivers()
         every = list(self.ranks.values())
@@ -422,6 +454,7 @@ class ClusterPlan:
             "plan_wall_seconds": self.plan_seconds,
             "stats_wall_seconds": self.stats_seconds,
             "assumptions": asdict(self.links),
+            "gpu": self.gpu_note(),
             "complete": self.complete,
             "floor": max(worst.terms, key=worst.terms.get),  # the busiest rank's largest term
             "note": self.note(),
