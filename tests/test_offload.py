@@ -8,6 +8,9 @@ moment bit for bit; a second update after offload/reload must equal a run that n
 around vLLM (offload.device_to_engine) the order must be: optimizer state and gradients off, the
 engine's weights woken, the sync, the parameters off, the KV cache woken, generate, release_memory,
 reload. tests/test_memory_order.py checks the same order inside a real training step.
+With Megatron's optimizer offload (a bf16 model, half its optimizer state stepped on the host) the
+handoff moves and counts only the device-resident half: the host half keeps its storages and
+values throughout.
 """
 
 import json
@@ -18,13 +21,17 @@ import torch
 from tests.launch import finish, start
 
 FP32 = 4  # bytes per element of the Adam moments, fp32 main params and fp32 gradients
-# layout -> (nproc, ParallelDims fields, {case: (model, dtype or None, distributed optimizer)})
+# layout -> (nproc, ParallelDims fields,
+#            {case: (model, dtype or None, distributed optimizer, optimizer_offload.fraction)})
 LAYOUTS = {
-    "single": (1, {}, {"dense": ("qwen3", None, True), "dense_bf16": ("qwen3", "bfloat16", True),
-                       "dense_plain_optimizer": ("qwen3", None, False)}),
-    "ep2": (2, {"ep": 2}, {"moe": ("qwen3_moe", None, True),
-                           "moe_bf16": ("qwen3_moe", "bfloat16", True)}),
+    "single": (1, {}, {"dense": ("qwen3", None, True, 0.0), "dense_bf16": ("qwen3", "bfloat16", True, 0.0),
+                       "dense_plain_optimizer": ("qwen3", None, False, 0.0),
+                       "dense_bf16_optimizer_offload": ("qwen3", "bfloat16", True, 0.5)}),
+    "ep2": (2, {"ep": 2}, {"moe": ("qwen3_moe", None, True, 0.0),
+                           "moe_bf16": ("qwen3_moe", "bfloat16", True, 0.0)}),
 }
+OPTIMIZER_OFFLOAD = [(layout, case) for layout, (_, _, cases) in LAYOUTS.items()
+                     for case, spec in cases.items() if spec[3]]
 CASES = [(layout, case) for layout, (_, _, cases) in LAYOUTS.items() for case in cases]
 
 
@@ -35,8 +42,8 @@ def results(hf_models, tmp_path_factory):
     folders, launches = {}, []
     for layout, (nproc, dims, cases) in LAYOUTS.items():
         folders[layout] = tmp_path_factory.mktemp(f"offload_{layout}")
-        spec = [[case, hf_models[model], dtype, dist_opt]
-                for case, (model, dtype, dist_opt) in cases.items()]
+        spec = [[case, hf_models[model], dtype, dist_opt, fraction]
+                for case, (model, dtype, dist_opt, fraction) in cases.items()]
         vllm = ["--vllm", hf_models["qwen3"]] if layout == "single" else []
         launches.append(start("tests/workers/offload_handoff.py", "--layout", json.dumps(dims), "--cases",
                               json.dumps(spec), "--out-dir", str(folders[layout]), *vllm, nproc=nproc,
@@ -51,9 +58,11 @@ def results(hf_models, tmp_path_factory):
 
 
 def expected_bytes(counts: dict, params: bool) -> tuple:
-    """(host bytes, device bytes freed) predicted from the buffer and optimizer sizes: the Adam
-    moments always; bf16 models' separate fp32 main params always (fp32 models' main params are
-    views of the parameters); the parameter buffers when `params`; gradients freed, not copied."""
+    """(host bytes, device bytes freed) predicted from the buffer and optimizer sizes: the
+    device-resident Adam moments always; bf16 models' separate device-resident fp32 main params
+    always (fp32 models' main params are views of the parameters); the parameter buffers when
+    `params`; gradients freed, not copied. What Megatron's optimizer offload keeps on the host:
+    neither."""
     separate_main = counts["param_dtype"] != "torch.float32"
     host = (FP32 * counts["moment_numel"] + separate_main * FP32 * counts["main_numel"]
             + params * counts["param_bytes"])
@@ -67,12 +76,32 @@ def test_offload_frees_what_it_counts(results, layout, case, params):
         counts, got = result["counts"], result["offloads"][params]
         bf16 = counts["param_dtype"] == "torch.bfloat16"
         assert counts["moment_numel"] == 2 * counts["main_numel"] > 0  # exp_avg + exp_avg_sq
+        host = {"host": False} if counts["host_bytes"] else {}  # never freed
         assert got["freed"] == {"moments": True, "grads": True, "params": params,
-                                "main": params or bf16}, (rank, got["freed"])
+                                "main": params or bf16, **host}, (rank, got["freed"])
         assert (got["host_bytes"], got["freed_bytes"]) == expected_bytes(counts, params), rank
         assert got["after_reload"] == dict.fromkeys(got["freed"], False), rank
         if layout == "ep2":
             assert counts["expert_buffers"] == 1  # expert-parallel buffers were covered too
+
+
+@pytest.mark.parametrize("layout,case", OPTIMIZER_OFFLOAD)
+def test_optimizer_state_on_the_host_is_neither_copied_nor_counted(results, layout, case):
+    """Half the optimizer's elements (Megatron's split: whole parameters in order until half is
+    reached) are stepped on the host: their fp32 copies, moments and pinned gradients (16 bytes an
+    element) stay in their storages with their values, before,
+    during and after the handoff, and only the device half is copied and counted (the byte
+    counts themselves: test_offload_frees_what_it_counts)."""
+    for rank, result in enumerate(results[layout][case]):
+        counts = result["counts"]
+        host, device = counts["host_main_numel"], counts["main_numel"]
+        assert device > 0 and 0.5 <= host / (host + device) < 0.75, (rank, host, device)
+        assert counts["host_bytes"] == 4 * FP32 * counts["host_main_numel"], rank
+        for params, got in result["offloads"].items():
+            assert got["host_resident"] == {"during": {"same_storages": True, "same_values": True},
+                                            "after": {"same_storages": True, "same_values": True}}, params
+            copied = FP32 * (counts["moment_numel"] + counts["main_numel"]) + params * counts["param_bytes"]
+            assert got["host_bytes"] == copied, (rank, params)
 
 
 @pytest.mark.parametrize("params", [False, True])

@@ -7,6 +7,13 @@ copies, and the order of the handoff around the engine and its weight sync
 (`device_to_engine`). Does not own the engine's memory (RolloutEngine.resume_memory /
 release_memory), the sync itself (passed in as a callable) or when the loop hands off.
 
+Only device-resident state moves. With Megatron's optimizer offload (`optimizer_offload.fraction`,
+HybridDeviceOptimizer) the host sub-optimizers' fp32 params, moments and pinned gradient copies
+live in host memory already: they are neither copied again nor counted as freed. Which state is
+which is read from the structure (the sub-optimizer holding it), not from `tensor.device`: on a
+GPU the two agree by Megatron's construction, and on the CPU, where every tensor is a host one, a
+test can still tell them apart.
+
 Same code on CPU and GPU: each storage's bytes are copied into a fresh host buffer (pinned when
 CUDA is present), then the storage is resized to 0 bytes. That frees it while every tensor viewing
 it (parameters, param.main_grad, distributed-optimizer shards) keeps its shape, and resizing it
@@ -19,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Sequence, Tuple
 
 import torch
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from megarl.actor.optimizer import TrainState
 from megarl.parallel_state import device_choice
@@ -58,26 +66,45 @@ def _distinct(tensors) -> List[torch.UntypedStorage]:
     return list(seen.values())
 
 
+def _inner_optimizers(state: TrainState) -> List[torch.optim.Optimizer]:
+    """The torch optimizer inside each of `state`'s Megatron optimizers (none on a rank holding
+    no parameters of one)."""
+    return [opt.optimizer for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer])
+            if getattr(opt, "optimizer", None) is not None]
+
+
+def _device_side(inner: torch.optim.Optimizer) -> list:
+    """The optimizers of one inner optimizer that step on the device: a HybridDeviceOptimizer's
+    device sub-optimizer (its host ones hold what its offload keeps in host memory: fp32 copies,
+    moments, pinned gradient copies); any other optimizer itself."""
+    if isinstance(inner, HybridDeviceOptimizer):
+        return [inner.gpu_optimizer] if inner.gpu_optimizer is not None else []
+    return [inner]
+
+
+def _params_and_moments(optimizers) -> Tuple[list, list]:
+    """(params, moment tensors) of torch optimizers. Adam's `step` counters are 0-dim host
+    tensors even on GPU: they stay where they are."""
+    params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    moments = [v for opt in optimizers for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return params, moments
+
+
 def _optimizer_tensors(state: TrainState):
-    """(main params, moment tensors) of every inner torch optimizer. Adam's `step` counters are
-    0-dim host tensors even on GPU: they stay where they are."""
-    main, moments = [], []
-    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:  # a rank holding no parameters of this optimizer
-            continue
-        main += [p for group in inner.param_groups for p in group["params"]]
-        moments += [v for s in inner.state.values() for v in s.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return main, moments
+    """(main params, moment tensors) the device holds: every inner optimizer's, a
+    HybridDeviceOptimizer's device sub-optimizer's alone (its fp32 copies of the parameters it
+    steps, and their moments)."""
+    return _params_and_moments([o for inner in _inner_optimizers(state) for o in _device_side(inner)])
 
 
 def offload(state: TrainState, *, optimizer: bool = True, params: bool = False) -> Offloaded:
     """Free on the device `state`'s optimizer moments, separate main params (bf16 models) and
-    gradients when `optimizer`, its model parameters when `params`. Storages already freed are
-    skipped, so the two parts can go in separate calls, each reloaded from its own Offloaded.
-    Until `reload`, the model may not run (with its parameters kept, its weights can still be
-    read, e.g. by a weight sync)."""
+    gradients when `optimizer` (the device-resident ones: not what Megatron's optimizer offload
+    keeps in host memory), its model parameters when `params`. Storages already freed are skipped,
+    so the two parts can go in separate calls, each reloaded from its own Offloaded. Until
+    `reload`, the model may not run (with its parameters kept, its weights can still be read,
+    e.g. by a weight sync)."""
     param_storages = _distinct(p for chunk in state.model for p in chunk.parameters())
     to_copy, grads = [], []
     if optimizer:

@@ -4,7 +4,9 @@ OUT_DIR/<case>_rank<r>.pt; it asserts nothing itself, so the test reports what d
 
 Each case: one actor update, snapshot, offload (params=False, then params=True) with the freed
 storages and byte counts recorded, reload and compare to the snapshot bit for bit, a second
-update, and the same two updates on a fresh actor that never offloaded.
+update, and the same two updates on a fresh actor that never offloaded. A case with Megatron's
+optimizer offload (a fraction > 0) also records where the state that offload keeps in host
+memory was and what it held, before, during and after the handoff.
 """
 
 import argparse
@@ -19,7 +21,7 @@ from synthetic_batch import synthetic_batch  # noqa: I001 (next to this script)
 from megarl.actor import offload as offload_mod
 from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig
-from megarl.actor.optimizer import OptimConfig
+from megarl.actor.optimizer import NO_OFFLOAD, OptimConfig, OptimizerOffloadConfig
 from megarl.critic.config import CriticConfig
 from megarl.critic.critic import Critic
 from megarl.models.builder import build_model
@@ -32,12 +34,13 @@ from megarl.rollout.engine import SamplingConfig
 from megarl.rollout.vllm_engine import VLLMEngine
 
 
-def new_actor(dims, hf_dir, dtype, distributed_optimizer):
+def new_actor(dims, hf_dir, dtype, distributed_optimizer, fraction=0.0):
     arch = load_arch(hf_dir, dtype)
     chunks = build_model(arch, dims, perform_initialization=False)
     load_hf_weights(chunks, arch, hf_dir)
     optim = OptimConfig(lr=1e-3, use_distributed_optimizer=distributed_optimizer)
-    return Actor(chunks, arch, ActorConfig(optim=optim)), arch
+    offload = OptimizerOffloadConfig(fraction=fraction) if fraction else NO_OFFLOAD
+    return Actor(chunks, arch, ActorConfig(optim=optim, optimizer_offload=offload)), arch
 
 
 def inner_optimizers(state):
@@ -65,23 +68,61 @@ def first_difference(a: dict, b: dict):
     return next((k for k in a if not torch.equal(a[k], b[k])), None)
 
 
+def optimizer_kinds(state):
+    """(main params, moments) the device holds and the state Megatron's optimizer offload keeps in
+    host memory, read from each HybridDeviceOptimizer's own maps (which parameters it gave a host
+    copy, their fp32 copies, its state per parameter), not from the sub-optimizer lists that
+    offload.py reads. Without the offload: every main param and moment, nothing on the host."""
+    main, moments, host = [], [], []
+    for inner in inner_optimizers(state):
+        hybrid = hasattr(inner, "gpu_params_map_cpu_copy")
+        for group in inner.param_groups:
+            for p in group["params"]:
+                values = [v for k, v in inner.state.get(p, {}).items() if k not in ("step", "master_param")]
+                if hybrid and p in inner.gpu_params_map_cpu_copy:
+                    host += [inner.gpu_params_map_cpu_copy[p], *values]
+                else:
+                    main.append(inner.param_to_fp32_param[p] if hybrid else p)
+                    moments += values
+        if hybrid:
+            host += list(inner.cpu_copy_map_grad.values())  # the pinned gradients it steps from
+    return main, moments, host
+
+
 def tensors(state):
-    """The tensors whose storages offload frees, by kind, and the byte counts expected from the
-    buffer sizes (independently of offload's storage bookkeeping)."""
+    """The tensors whose storages offload frees, by kind (and the host-resident state it must
+    leave alone, where there is some), and the byte counts expected from the buffer and optimizer
+    sizes (independently of offload's storage bookkeeping)."""
     buffers = [b for chunk in state.model for b in chunk.buffers + chunk.expert_parallel_buffers]
-    main = [p for inner in inner_optimizers(state) for g in inner.param_groups for p in g["params"]]
-    moments = [v for inner in inner_optimizers(state) for s in inner.state.values()
-               for k, v in s.items() if k != "step"]
+    main, moments, host = optimizer_kinds(state)
     params = [p for chunk in state.model for p in chunk.parameters()]
     param_bytes = sum(b.param_data.numel() * b.param_data.element_size() if b.param_data is not None
                       else sum(p.numel() * p.element_size() for p in b.params) for b in buffers)
     counts = dict(main_numel=sum(p.numel() for p in main),
                   moment_numel=sum(v.numel() for v in moments),
+                  host_bytes=sum(t.numel() * t.element_size() for t in host),
+                  host_main_numel=sum(p.numel() for inner in inner_optimizers(state)
+                                      for p in getattr(inner, "gpu_params_map_cpu_copy", {}).values()),
                   grad_bytes=sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
                   param_bytes=param_bytes, param_dtype=str(params[0].dtype),
                   expert_buffers=sum(len(chunk.expert_parallel_buffers) for chunk in state.model))
-    return dict(main=main, moments=moments, params=params,
-                grads=[b.grad_data for b in buffers]), counts
+    kinds = dict(main=main, moments=moments, params=params, grads=[b.grad_data for b in buffers])
+    if host:
+        kinds["host"] = host
+    return kinds, counts
+
+
+def where(ts) -> list:
+    """(data pointer, storage bytes) of each tensor: equal lists mean the same storages, whole."""
+    return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in ts]
+
+
+def unmoved(host, storages, values) -> dict:
+    """Whether the host-resident tensors `host` still have the storages `where` found and the
+    values cloned before (not read where a storage changed: a freed one would crash the read)."""
+    same = where(host) == storages
+    return dict(same_storages=same,
+                same_values=same and all(torch.equal(t, v) for t, v in zip(host, values, strict=True)))
 
 
 def freed(kinds: dict) -> dict:
@@ -94,18 +135,21 @@ def freed(kinds: dict) -> dict:
     return out
 
 
-def case(dims, hf_dir, dtype, distributed_optimizer, max_len):
-    actor, arch = new_actor(dims, hf_dir, dtype, distributed_optimizer)
+def case(dims, hf_dir, dtype, distributed_optimizer, fraction, max_len):
+    actor, arch = new_actor(dims, hf_dir, dtype, distributed_optimizer, fraction)
     batch = actor.logprobs(synthetic_batch(arch.vocab_size, max_len=max_len))
     actor.update(batch)
     before = snapshot(actor.state)
     kinds, counts = tensors(actor.state)
+    host = kinds.get("host", [])
+    host_before, host_values = where(host), [t.clone() for t in host]
     result = dict(counts=counts, offloads={})
     for params in (False, True):
         start = time.perf_counter()
         offloaded = offload_mod.offload(actor.state, params=params)
         offload_s = time.perf_counter() - start
         during = freed(kinds)
+        host_during = unmoved(host, host_before, host_values)
         host_bytes, freed_bytes = offloaded.host_bytes, offloaded.freed_bytes
         start = time.perf_counter()
         offload_mod.reload(offloaded)
@@ -113,9 +157,10 @@ def case(dims, hf_dir, dtype, distributed_optimizer, max_len):
             host_bytes=host_bytes, freed_bytes=freed_bytes, freed=during,
             after_reload=freed(kinds), offload_s=offload_s, reload_s=time.perf_counter() - start,
             difference=first_difference(before, snapshot(actor.state)),
-            grads_zero=all(bool((g == 0).all()) for g in kinds["grads"]))
+            grads_zero=all(bool((g == 0).all()) for g in kinds["grads"]),
+            host_resident=dict(during=host_during, after=unmoved(host, host_before, host_values)))
     actor.update(batch)
-    reference, _ = new_actor(dims, hf_dir, dtype, distributed_optimizer)
+    reference, _ = new_actor(dims, hf_dir, dtype, distributed_optimizer, fraction)
     reference.update(batch)
     after_one = snapshot(reference.state)
     reference.update(batch)
@@ -207,7 +252,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", required=True, help="JSON of ParallelDims fields")
     parser.add_argument("--cases", required=True,
-                        help="JSON list of [name, hf_dir, dtype or null, use_distributed_optimizer]")
+                        help="JSON list of [name, hf_dir, dtype or null, use_distributed_optimizer, "
+                             "optimizer_offload.fraction]")
     parser.add_argument("--vllm", default=None, help="HF dir: also run the handoff around vLLM")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--max-len", type=int, default=32)
@@ -216,8 +262,8 @@ def main():
     dims = ParallelDims(world_size=world, **json.loads(args.layout))
     megatron_groups.initialize(dims)
     rank = dist.get_rank()
-    results = {name: case(dims, hf_dir, dtype, dist_opt, args.max_len)
-               for name, hf_dir, dtype, dist_opt in json.loads(args.cases)}
+    results = {name: case(dims, hf_dir, dtype, dist_opt, fraction, args.max_len)
+               for name, hf_dir, dtype, dist_opt, fraction in json.loads(args.cases)}
     if args.vllm:
         results["handoff"] = handoff(dims, args.vllm, args.max_len)
     for name, result in results.items():
