@@ -1,20 +1,23 @@
-"""Memory of the log-prob + entropy path: megarl's chunked vocab-parallel log-softmax against the
-full-width one most trainers run, forward + backward, on [tokens, vocab] logits.
+"""Memory of the log-prob + entropy path: megarl's vocab-parallel head against the full-width
+log-softmax most trainers run, forward + backward, on [tokens, vocab] logits.
 
-  python bench/bench_memory.py [--quick] [--device cpu|cuda] [--tokens N] [--vocab V]
+  python bench/bench_memory.py [--quick] [--device cpu|cuda] [--tokens N] [--vocab V] [--kernels K,K]
 
 Cases (one JSON object each on stdout; each case runs in a process of its own, so one case's
 freed memory cannot hide another's peak):
-  chunked   megarl.algos.vocab_parallel.logprobs_and_entropy on the model's logits as the output
-            layer returns them (--dtype, bf16 by default), what the actor passes it.
+  head      megarl.algos.vocab_parallel.logprobs_and_entropy on the model's logits as the output
+            layer returns them (--dtype, bf16 by default), what the actor passes it, once per
+            kernel of --kernels (default: eager and compiled; the CPU runs eager, a GPU compiled).
+            The compiled kernels are built on a small input first, outside the measured window.
   full      the same numbers the way they are usually computed: the logits upcast to fp32 whole,
             log_softmax, gather, entropy = -sum(p log p), autograd through all of it (what megarl's
             actor did before: 6.0x the fp32 logits on an H100). Run only where it fits
             (--full-max-gb), since that is the point.
 `peak_over_fp32_logits`: the peak extra memory (GPU: the CUDA allocator's peak; CPU: the resident
-set's high-water mark, parallel_state/device_memory.py) over the bytes of the fp32 logits.
-Target: chunked <= 1.0x at 16,384 tokens x 151,936 (Qwen3's vocabulary). A line then compares
-the two cases' log-probs, entropies and gradients where both ran.
+set's high-water mark, parallel_state/device_memory.py) over the bytes of the fp32 logits; beside it
+`planned_over_fp32_logits`, vocab_parallel.working_bytes for the same kernels (what the memory plan
+counts). Target: every head case <= 1.0x at every token count. A line then compares each head
+case's log-probs, entropies and gradients with the full-width case's where both ran.
   plan_vs_measured  (--phases-only: this case alone; --no-phases: skip it) the memory plan
             (trainer/memory_plan.py, what scripts/plan_memory.py and the preflight use) against
             the measured peak of each phase of a real actor step (old log-probs, update) at three
@@ -48,7 +51,9 @@ PHASE_BATCH = dict(sequences=8, length=256, micro_batch_tokens=1024)
 
 def _logits(args, device):
     g = torch.Generator(device="cpu").manual_seed(0)
-    logits = (torch.randn(args.tokens, args.vocab, generator=g) * 3).to(getattr(torch, args.dtype))
+    logits = torch.empty(args.tokens, args.vocab, dtype=getattr(torch, args.dtype))
+    for block in logits.split(1024):  # no fp32 copy of the whole logits: 16K x 151,936 is 10 GB
+        block.copy_(torch.randn(block.shape, generator=g) * 3)
     targets = torch.randint(0, args.vocab, (args.tokens,), generator=g)
     weights = torch.randn(2, args.tokens, generator=g)
     return logits.to(device), targets.to(device), weights.to(device)
@@ -69,14 +74,19 @@ def _cuda_window():
 
 
 def run_case(args) -> dict:
-    from megarl.algos.vocab_parallel import logprobs_and_entropy
+    from megarl.algos.vocab_parallel import logprobs_and_entropy, working_bytes
     from megarl.parallel_state import device_memory
 
     device = torch.device(args.device)
+    kernels = None if args.case == "full" else args.case
+    fn = _full_width if args.case == "full" else \
+        (lambda x, t: logprobs_and_entropy(x, t, None, chunk_tokens=args.chunk_tokens, kernels=kernels))
+    if kernels == "compiled":  # compile (dynamic shapes: the same kernels for any size) before measuring
+        small = (torch.randn(64, 96, device=device) * 3).to(getattr(torch, args.dtype)).requires_grad_()
+        lp, entropy = fn(small, torch.randint(0, 96, (64,), device=device))
+        (lp.sum() + entropy.sum()).backward()
     logits, targets, weights = _logits(args, device)
     logits.requires_grad_()
-    fn = _full_width if args.case == "full" else \
-        (lambda x, t: logprobs_and_entropy(x, t, None, chunk_tokens=args.chunk_tokens))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -90,10 +100,16 @@ def run_case(args) -> dict:
     seconds = time.perf_counter() - start
     fp32_bytes = args.tokens * args.vocab * 4
     # the gradient is the caller's (it flows on into the output layer): counted in the peak
-    out = {"case": args.case, "device": args.device, "tokens": args.tokens, "vocab": args.vocab,
-           "dtype": args.dtype, "chunk_tokens": args.chunk_tokens if args.case == "chunked" else None,
+    out = {"case": "full" if kernels is None else "head", "kernels": kernels, "device": args.device,
+           "tokens": args.tokens, "vocab": args.vocab, "dtype": args.dtype,
+           "chunk_tokens": args.chunk_tokens if kernels == "eager" else None,
            "seconds": round(seconds, 3), "peak_extra_gb": memory.extra_bytes / 1e9,
            "fp32_logits_gb": fp32_bytes / 1e9, "peak_over_fp32_logits": memory.extra_bytes / fp32_bytes}
+    if kernels is not None:
+        planned = working_bytes(args.tokens, args.vocab, logits.element_size(), backward=True,
+                                device="cuda" if kernels == "compiled" else "cpu",
+                                chunk_tokens=args.chunk_tokens)
+        out["planned_over_fp32_logits"] = planned / fp32_bytes
     if args.save:
         torch.save({"logprob": logprob.detach().cpu(), "entropy": entropy.detach().cpu(),
                     "grad": logits.grad.cpu()}, args.save)
@@ -167,9 +183,14 @@ def main() -> None:
                              "(default: 16 on CPU, the GPU's memory on CUDA)")
     parser.add_argument("--phases-only", action="store_true", help="the plan-vs-measured case alone")
     parser.add_argument("--no-phases", action="store_true", help="skip the plan-vs-measured case")
-    parser.add_argument("--case", choices=["chunked", "full"], help=argparse.SUPPRESS)
+    parser.add_argument("--kernels", default="eager,compiled",
+                        help="the head's kernels to measure, comma-separated (vocab_parallel.KERNELS)")
+    parser.add_argument("--case", choices=["eager", "compiled", "full"], help=argparse.SUPPRESS)
     parser.add_argument("--save", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    unknown = sorted(set(args.kernels.split(",")) - {"eager", "compiled"})
+    if unknown:
+        parser.error(f"--kernels {args.kernels}: {unknown} unknown; choose from eager,compiled")
     if args.quick:
         args.tokens, args.vocab = 16384, 16384
     if args.chunk_tokens is None:
@@ -187,7 +208,7 @@ def main() -> None:
         limit = torch.cuda.get_device_properties(0).total_memory / 1e9 if args.device == "cuda" else 16
     fp32_gb = args.tokens * args.vocab * 4 / 1e9
     saved = {}
-    for case in ("chunked", "full"):
+    for case in args.kernels.split(",") + ["full"]:
         if case == "full" and 7 * fp32_gb > limit:
             print(json.dumps({"case": "full", "skipped": f"7 x {fp32_gb:.1f} GB fp32 logits > "
                               f"--full-max-gb {limit:.0f}"}), flush=True)
@@ -198,14 +219,14 @@ def main() -> None:
                "--chunk-tokens", str(args.chunk_tokens)]
         line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         result = json.loads(line)
-        if case == "chunked":
+        if case != "full":
             result["target"] = f"<= {TARGET}x the fp32 logits"
             result["meets_target"] = result["peak_over_fp32_logits"] <= TARGET
         print(json.dumps(result), flush=True)
-    if len(saved) == 2:
-        a, b = (torch.load(saved[c], mmap=True) for c in ("chunked", "full"))
+    for case in [c for c in saved if c != "full" and "full" in saved]:
+        a, b = (torch.load(saved[c], mmap=True) for c in (case, "full"))
         blocks = {key: zip(a[key].split(1024), b[key].split(1024)) for key in a}  # bounded memory
-        print(json.dumps({"case": "chunked_vs_full", **{
+        print(json.dumps({"case": "head_vs_full", "kernels": case, **{
             f"max_abs_diff_{key}": max(float((x.double() - y.double()).abs().max()) for x, y in pairs)
             for key, pairs in blocks.items()}}))
     for path in saved.values():

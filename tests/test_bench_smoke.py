@@ -174,8 +174,14 @@ def test_bench_agent(one_process):
 
 
 def test_bench_memory(one_process):
-    cases = _by_case(one_process("test_bench_memory"))
-    assert {"chunked", "full"} <= set(cases) and "skipped" not in cases["full"], cases
-    # the chunked path computes what the full-width one does, gradients included
-    diffs = {k: v for k, v in cases["chunked_vs_full"].items() if k.startswith("max_abs_diff_")}
-    assert len(diffs) == 3 and max(diffs.values()) <= 1e-5, diffs
+    lines = one_process("test_bench_memory")
+    cases = _by_case(lines)
+    assert "full" in cases and "skipped" not in cases["full"], cases
+    heads = _by_case([line for line in lines if line["case"] == "head"], "kernels")
+    assert set(heads) == {"eager", "compiled"}, lines
+    # each kernel computes what the full-width path does, gradients included
+    compared = _by_case([line for line in lines if line["case"] == "head_vs_full"], "kernels")
+    assert set(compared) == {"eager", "compiled"}, lines
+    for kernels, line in compared.items():
+        diffs = {k: v for k, v in line.items() if k.startswith("max_abs_diff_")}
+        assert len(diffs) == 3 and max(diffs.values()) <= 1e-5, (kernels, diffs)

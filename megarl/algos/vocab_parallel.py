@@ -14,10 +14,10 @@ them once more and writes the gradient in the logits' dtype. Nothing [N, V] is k
 backward: only the per-token statistics. The kernels (`KERNELS`):
   compiled  torch.compile (Inductor) of the two functions below, all tokens at once: Triton on a
             GPU, C++ on a CPU. Nothing [N, V] is materialized but the gradient. The GPU's choice.
-  eager     the same two functions run op by op over chunks of tokens, so their fp32 temporaries
-            stay a fraction of the logits. The CPU's choice: megarl's CPU runs (tests, the demo)
-            have small vocabularies, where the compile (seconds per process) costs more than it
-            saves (docs/PERFORMANCE.md, "Log-prob head").
+  eager     op by op over chunks of at most 1/8 of the tokens: the forward's function as it is,
+            the backward in place; two fp32 [chunk, V/tp] buffers at a time. The CPU's choice:
+            megarl's CPU runs (tests, the demo) have small vocabularies, where the compile (seconds
+            per process) costs more than it saves (docs/PERFORMANCE.md, "Log-prob head").
 Gradients follow Megatron's reduce-from-TP-region convention: every TP rank computes the same loss
 from the reduced statistics, so each rank's gradient for its own shard is computed locally:
   d log p_t / dx_j = [j == t] - p_j,   dH / dx_j = -p_j (s_j - E_p[s]),   s = x - shift.
@@ -26,7 +26,6 @@ When the loss does not use the entropy (`entropy_grad=False`) its gradient term 
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -37,11 +36,9 @@ import torch.distributed as dist
 # temporaries stay a fraction of the logits whatever the number of tokens.
 DEFAULT_CHUNK_TOKENS = 1024
 EAGER_MIN_CHUNKS = 8
-# fp32 [chunk, V/tp] temporaries the eager kernels hold at once: the forward's upcast copy and its
-# exp; the backward's upcast copy, p, the term that multiplies it, plus a bool [chunk, V/tp] mask and
-# the chunk's gradient in the logits' dtype before it is written in place.
-EAGER_FORWARD_TEMPORARIES = 2
-EAGER_BACKWARD_TEMPORARIES = 3
+# fp32 [chunk, V/tp] buffers the eager kernels hold at once: the forward's upcast copy and its exp;
+# the backward's upcast copy and p.
+EAGER_TEMPORARIES = 2
 
 
 def _local_statistics(x: torch.Tensor,  # [c, R] this shard's real columns, any float dtype
@@ -65,7 +62,8 @@ def _gradient(x: torch.Tensor,  # [c, W] the shard, padding columns included
               g_lp: torch.Tensor,  # [c] d loss / d log p_t
               g_h: Optional[torch.Tensor]  # [c] d loss / d H, None when the loss has no entropy
               ) -> torch.Tensor:  # [c, W] in x's dtype
-    """d loss / d x = g_lp ([j == t] - p_j) - g_h p_j (s_j - E_p[s])."""
+    """d loss / d x = g_lp ([j == t] - p_j) - g_h p_j (s_j - E_p[s]), one pointwise expression
+    (the compiled kernel: every term fuses into one pass that writes the gradient)."""
     s = x.to(shift.dtype) - shift[:, None]  # [c, W]
     p = (s - log_z[:, None]).exp()
     scale = g_lp[:, None] if g_h is None else g_lp[:, None] + g_h[:, None] * (s - mean_s[:, None])
@@ -74,18 +72,45 @@ def _gradient(x: torch.Tensor,  # [c, W] the shard, padding columns included
     return torch.where(col < real, grad, 0.0).to(x.dtype)
 
 
-@dataclass(frozen=True)
-class HeadKernels:
-    """How the two passes run: the functions, and the tokens per call (None: all at once)."""
-    name: str
-    statistics: Callable
-    gradient: Callable
-    chunked: bool
+def _gradient_in_place(out: torch.Tensor,  # [c, real] the gradient's rows and real columns, written
+                       x: torch.Tensor,  # [c, real]
+                       local: torch.Tensor, shift: torch.Tensor, log_z: torch.Tensor,
+                       mean_s: torch.Tensor, g_lp: torch.Tensor, g_h: Optional[torch.Tensor]) -> None:
+    """_gradient op by op in two fp32 [c, real] buffers (the eager kernel: each op is a pass, so
+    the fewest buffers, not the fewest ops)."""
+    s = x.to(shift.dtype, copy=True).sub_(shift[:, None])
+    p = (s - log_z[:, None]).exp_()
+    if g_h is None:
+        grad = p.mul_(-g_lp[:, None])
+    else:  # -p (g_lp + g_h (s - E[s]))
+        grad = s.sub_(mean_s[:, None]).mul_(g_h[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
+    here = (local >= 0) & (local < x.shape[-1])
+    grad.scatter_add_(1, torch.where(here, local, 0)[:, None], torch.where(here, g_lp, 0.0)[:, None])
+    out.copy_(grad)
 
-    def chunk_rows(self, tokens: int, chunk_tokens: int) -> int:
-        if not self.chunked:
-            return max(tokens, 1)
+
+class EagerKernels:
+    """The two passes op by op over chunks of tokens: fp32 temporaries of a chunk at a time."""
+    name, chunked = "eager", True
+
+    @staticmethod
+    def chunk_rows(tokens: int, chunk_tokens: int) -> int:
         return max(1, min(chunk_tokens, math.ceil(tokens / EAGER_MIN_CHUNKS)))
+
+    def statistics(self, x: torch.Tensor, local: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        step = self.chunk_rows(x.shape[0], chunk_tokens)
+        return torch.cat([_local_statistics(x[i:i + step], local[i:i + step])
+                          for i in range(0, x.shape[0], step)])
+
+    def gradient(self, logits, local, real, shift, log_z, mean_s, g_lp, g_h, chunk_tokens: int):
+        grad = torch.empty_like(logits)
+        grad[:, real:] = 0  # the output layer's padding: probability 0
+        step = self.chunk_rows(logits.shape[0], chunk_tokens)
+        for i in range(0, logits.shape[0] if real else 0, step):
+            rows = slice(i, i + step)
+            _gradient_in_place(grad[rows, :real], logits[rows, :real], local[rows], shift[rows],
+                               log_z[rows], mean_s[rows], g_lp[rows], None if g_h is None else g_h[rows])
+        return grad
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,13 +119,27 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
-EAGER = HeadKernels("eager", _local_statistics, _gradient, chunked=True)
-COMPILED = HeadKernels("compiled", lambda *a: _compiled(_local_statistics)(*a),
-                       lambda *a: _compiled(_gradient)(*a), chunked=False)
+class CompiledKernels:
+    """The two passes as two fused kernels (Inductor: Triton on a GPU, C++ on a CPU), all tokens at
+    once: nothing [N, V] is materialized but the gradient."""
+    name, chunked = "compiled", False
+
+    @staticmethod
+    def chunk_rows(tokens: int, chunk_tokens: int) -> int:
+        return max(tokens, 1)
+
+    def statistics(self, x: torch.Tensor, local: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        return _compiled(_local_statistics)(x, local)
+
+    def gradient(self, logits, local, real, shift, log_z, mean_s, g_lp, g_h, chunk_tokens: int):
+        return _compiled(_gradient)(logits, local, real, shift, log_z, mean_s, g_lp, g_h)
+
+
+EAGER, COMPILED = EagerKernels(), CompiledKernels()
 KERNELS = {k.name: k for k in (EAGER, COMPILED)}
 
 
-def kernels_for(device: torch.device) -> HeadKernels:
+def kernels_for(device: torch.device):
     """The kernels a device runs by default: compiled on a GPU, eager on a CPU (module docstring)."""
     return COMPILED if torch.device(device).type != "cpu" else EAGER
 
@@ -146,19 +185,15 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         compute = torch.promote_types(logits.dtype, torch.float32)
         vocab_start, real = _shard(logits, group, vocab_size)
         local = targets - vocab_start  # [N]
-        tokens = logits.shape[0]
-        step = kernels.chunk_rows(tokens, chunk_tokens)
-        if real:
-            local_stats = torch.cat([kernels.statistics(logits[i:i + step, :real], local[i:i + step])
-                                     for i in range(0, tokens, step)]) if tokens \
-                else logits.new_zeros(0, 4, dtype=compute)
-        else:  # a shard of the output layer's padding only: no probability here
-            local_stats = logits.new_zeros(tokens, 4, dtype=compute)
+        if real and logits.shape[0]:
+            local_stats = kernels.statistics(logits[:, :real], local, chunk_tokens)
+        else:  # no tokens, or a shard of the output layer's padding only: no probability here
+            local_stats = logits.new_zeros(logits.shape[0], 4, dtype=compute)
             local_stats[:, 0] = float("-inf")
         stats = _combine(local_stats, (local >= 0) & (local < real), group)  # [N, 4]
         shift, log_z, mean_s, logprob = stats.unbind(-1)
         ctx.save_for_backward(logits, local, stats)
-        ctx.step, ctx.real, ctx.kernels, ctx.entropy_grad = step, real, kernels, entropy_grad
+        ctx.args = (real, kernels, entropy_grad, chunk_tokens)
         entropy = log_z - mean_s  # H = log Z - E_p[s]
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -167,18 +202,11 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):  # [N], [N]
         logits, local, stats = ctx.saved_tensors
-        step, real, kernels = ctx.step, ctx.real, ctx.kernels
+        real, kernels, entropy_grad, chunk_tokens = ctx.args
         shift, log_z, mean_s, _ = stats.unbind(-1)
-        g_lp = grad_logprob.to(stats.dtype)
-        g_h = grad_entropy.to(stats.dtype) if ctx.entropy_grad else None
-        if not kernels.chunked:
-            return kernels.gradient(logits, local, real, shift, log_z, mean_s, g_lp, g_h), \
-                None, None, None, None, None, None
-        grad = torch.empty_like(logits)
-        for i in range(0, logits.shape[0], step):
-            rows = slice(i, i + step)
-            grad[rows] = kernels.gradient(logits[rows], local[rows], real, shift[rows], log_z[rows],
-                                          mean_s[rows], g_lp[rows], None if g_h is None else g_h[rows])
+        g_h = grad_entropy.to(stats.dtype) if entropy_grad else None
+        grad = kernels.gradient(logits, local, real, shift, log_z, mean_s, grad_logprob.to(stats.dtype),
+                                g_h, chunk_tokens)
         return grad, None, None, None, None, None, None
 
 
@@ -187,16 +215,13 @@ def working_bytes(tokens: int, vocab_shard: int, logits_bytes: int, backward: bo
     """Pure: the most bytes logprobs_and_entropy allocates beyond the logits it is given [tokens,
     vocab_shard] of `logits_bytes` each, with the kernels `device` runs (kernels_for): with
     `backward`, the logits' gradient in their own dtype; the per-token statistics; and the eager
-    kernels' [chunk, V/tp] temporaries (the memory planner's log-prob term, trainer/memory_plan.py)."""
+    kernels' fp32 [chunk, V/tp] buffers (the memory planner's log-prob term, trainer/memory_plan.py)."""
     kernels = kernels_for(torch.device(device))
     compute = max(logits_bytes, 4)
     statistics = tokens * 8 * compute  # [N, 4] local, [N, 4] combined
     gradient = tokens * vocab_shard * logits_bytes if backward else 0
-    if not kernels.chunked:
-        return gradient + statistics
-    rows = kernels.chunk_rows(tokens, chunk_tokens) * vocab_shard
-    chunk = rows * (EAGER_BACKWARD_TEMPORARIES * compute + 1 + logits_bytes) if backward \
-        else rows * EAGER_FORWARD_TEMPORARIES * compute
+    chunk = EAGER_TEMPORARIES * kernels.chunk_rows(tokens, chunk_tokens) * vocab_shard * compute \
+        if kernels.chunked else 0
     return gradient + statistics + chunk
 
 
