@@ -2,7 +2,10 @@
 key.sub=value ...`. The config is loaded and validated here, before any process starts. Ray
 places layout.world_size workers (a local cluster unless --ray-address names one); under torchrun
 every rank runs the loop directly instead. The terminal shows megarl's lines, rank 0's progress
-bar and errors; each process's full output goes to run_dir/logs/ (--verbose: to the terminal)."""
+bar and errors; each process's full output goes to run_dir/logs/ (--verbose: to the terminal).
+A GPU run without Transformer Engine says so once per node when its ranks start
+(megatron_groups.agree_on_layer_spec), where they are also refused if they chose different layer
+specs."""
 
 import argparse
 import os
@@ -38,21 +41,12 @@ def main():
         rank = int(os.environ["RANK"])
         with console.output(config.run_dir, f"rank{rank}", args.verbose, early_warnings=early,
                             tell=rank == 0):
-            _say_backend(rank == 0)
             train(config, args.resume)
     else:
         from megarl.trainer.launch import launch
 
         with console.output(config.run_dir, "driver", args.verbose, early_warnings=early, tell=True):
-            _say_backend(True)
             launch(config, args.ray_address, args.resume, args.verbose)
-
-
-def _say_backend(tell: bool) -> None:
-    """A GPU run without Transformer Engine says so first (device_choice.te_off_line)."""
-    line = device_choice.startup_line()
-    if tell and line:
-        console.say(line)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,9 @@ def test_this_cpu_machine_builds_without_transformer_engine_and_refuses_it(fresh
             fresh_choice.setenv("MEGARL_TRANSFORMER_ENGINE", setting)
         device_choice.uses_transformer_engine.cache_clear()
         assert device_choice.uses_transformer_engine() is False
-        assert device_choice.startup_line() is None  # the CPU path says nothing new
+        choice = device_choice.this_choice(3)
+        assert (choice.use_te, choice.spec) == (False, "the portable layer spec (the CPU path)")
+        assert choice.te_off is None  # the CPU path says nothing new
     fresh_choice.setenv("MEGARL_TRANSFORMER_ENGINE", "true")
     device_choice.uses_transformer_engine.cache_clear()
     with pytest.raises(RuntimeError, match="MEGARL_TRANSFORMER_ENGINE=true .*takes the CPU path"):

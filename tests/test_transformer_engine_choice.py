@@ -1,8 +1,11 @@
 """Transformer Engine on purpose (model.transformer_engine, MEGARL_TRANSFORMER_ENGINE): the choice
-for every setting and machine, the refusals, what a GPU run without TE turns off and says, the
-no-TE shims on their own, and the config key that carries the setting to every process."""
+for every setting and machine, the refusals, what a GPU run without TE turns off and says (once
+per node), the ranks' agreement on it (refused on real gloo ranks made to disagree), the no-TE
+shims on their own, and the config key that carries the setting to every process."""
 
 import importlib
+import json
+import socket
 
 import pytest
 
@@ -10,11 +13,15 @@ from megarl.models.megatron_config import gpu_switches
 from megarl.parallel_state import no_te_compat
 from megarl.parallel_state.device_choice import (
     choose_transformer_engine,
+    node_lines,
     set_transformer_engine,
+    spec_choice,
+    spec_refusal,
     te_off_line,
 )
 from megarl.trainer.config import ModelConfig
 from megarl.trainer.typed_config import load
+from tests.launch import finish, start
 
 NO_TE = "ModuleNotFoundError: No module named 'transformer_engine'"
 
@@ -63,6 +70,88 @@ def test_a_gpu_run_without_te_says_so_and_why():
         te_off_line(None, True, False, NO_TE)
     assert te_off_line(None, True, True, None) is None  # with TE
     assert te_off_line("false", False, False, None) is None  # the CPU path: unchanged
+
+
+def job(*nodes):
+    """SpecChoices of a job: nodes given as (host, ranks, setting, on_gpu, te_error)."""
+    return [spec_choice(rank, host, setting, on_gpu, te_error)
+            for host, ranks, setting, on_gpu, te_error in nodes for rank in ranks]
+
+
+OFF_LINE = te_off_line(None, True, False, NO_TE)
+FALSE_LINE = te_off_line("false", True, False, None)
+A_TE, A_NO_TE = ("gpu-a", range(8), None, True, None), ("gpu-a", range(8), "auto", True, NO_TE)
+B_NO_TE = ("gpu-b", range(8, 16), None, True, NO_TE)
+
+
+def test_a_gpu_job_without_te_says_so_once_per_node():
+    """Eight ranks on each of two nodes: two lines, each naming its node and ranks."""
+    assert node_lines(job(A_NO_TE, B_NO_TE)) == [f"{OFF_LINE} [gpu-a, ranks 0-7]",
+                                                 f"{OFF_LINE} [gpu-b, ranks 8-15]"]
+    # ranks of a node placed apart (Ray numbers them node by node; a hand-made launch may not)
+    apart = job(("gpu-a", [0, 1, 4], "false", True, None), ("gpu-b", [2, 3], "false", True, None))
+    assert node_lines(apart) == [f"{FALSE_LINE} [gpu-a, ranks 0-1, 4]", f"{FALSE_LINE} [gpu-b, ranks 2-3]"]
+    assert node_lines(job(("gpu-a", [0], "auto", True, NO_TE))) == [f"{OFF_LINE} [gpu-a, rank 0]"]
+    assert node_lines(job(A_TE)) == []  # with TE: nothing to say
+    assert node_lines(job(("cpu-a", range(4), None, False, None))) == []  # the CPU path never has TE
+
+
+def test_ranks_that_agree_are_not_refused():
+    assert spec_refusal(job(A_TE, ("gpu-b", range(8, 16), "true", True, None))) is None
+    assert spec_refusal(job(("gpu-a", range(8), "false", True, None), B_NO_TE)) is None
+
+
+def test_a_node_without_te_beside_one_with_it_is_refused_naming_both():
+    assert spec_refusal(job(A_TE, B_NO_TE)) == (
+        "megarl: the ranks chose different layer specs, so they would build different models (ranks "
+        "0-7 on gpu-a: Transformer Engine's layer spec; ranks 8-15 on gpu-b: the portable layer spec "
+        f"(model.transformer_engine=auto and transformer_engine does not import: {NO_TE})). Every "
+        "rank must build the same one: install Transformer Engine on every node (the same "
+        "environment everywhere: `make install DEVICE=cuda` (its own environment, .venv-cuda)), or "
+        "set model.transformer_engine=false to run Megatron's portable layer spec on all of them")
+
+
+def test_a_rank_that_cannot_choose_refuses_the_whole_job():
+    # one node, TE missing: auto takes the portable spec, `true` (set on some ranks only) cannot
+    refusal = spec_refusal(job(("gpu-a", range(4), None, True, NO_TE),
+                               ("gpu-a", range(4, 8), "true", True, NO_TE)))
+    assert refusal.startswith(
+        "megarl: not every rank could choose a layer spec (ranks 0-3 on gpu-a: the portable layer "
+        f"spec (model.transformer_engine=auto and transformer_engine does not import: {NO_TE}); "
+        "ranks 4-7 on gpu-a: no layer spec (MEGARL_TRANSFORMER_ENGINE=true (model.transformer_engine) "
+        "but Transformer Engine is missing"), refusal
+
+
+@pytest.fixture(scope="module")
+def disagreeing_ranks(hf_models, tmp_path_factory):
+    """The converter on two gloo ranks, twice, at once: rank 1 with MEGARL_TRANSFORMER_ENGINE=true
+    (on this CPU machine: a rank that cannot choose), and rank 1 choosing as a GPU node where
+    Transformer Engine imports (tests/workers/layer_spec_ranks.py)."""
+    runs = {"env": ["--rank-env", json.dumps({"1": {"MEGARL_TRANSFORMER_ENGINE": "true"}})],
+            "te_node": ["--te-ranks", "[1]"]}
+    folders = {name: tmp_path_factory.mktemp(f"layer_spec_{name}") for name in runs}
+    finish(*[start("tests/workers/layer_spec_ranks.py", "--hf-dir", hf_models["qwen3"], "--out-dir",
+                   str(folders[name]), *flags, nproc=2, timeout=300) for name, flags in runs.items()])
+    return {name: [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+            for name, folder in folders.items()}
+
+
+def test_ranks_on_different_layer_specs_are_refused_before_any_model_is_built(disagreeing_ranks):
+    host = socket.gethostname()
+    expected = {
+        "env": (f"megarl: not every rank could choose a layer spec (rank 0 on {host}: the portable "
+                f"layer spec (the CPU path); rank 1 on {host}: no layer spec (MEGARL_TRANSFORMER_ENGINE="
+                "true (model.transformer_engine) but this process takes the CPU path"),
+        "te_node": (f"megarl: the ranks chose different layer specs, so they would build different models "
+                    f"(rank 0 on {host}: the portable layer spec (the CPU path); rank 1 on te-node: "
+                    "Transformer Engine's layer spec). Every rank must build the same one"),
+    }
+    for name, ranks in disagreeing_ranks.items():
+        for rank, result in enumerate(ranks):
+            assert result["refusal"].startswith(expected[name]), (name, rank, result["refusal"])
+            assert "set model.transformer_engine=false" in result["refusal"]
+            # refused where the world starts: the converter made no output, not even its partial one
+            assert not result["written"] and not result["partial"], (name, rank)
 
 
 def test_no_te_shims_install_on_their_own(monkeypatch):

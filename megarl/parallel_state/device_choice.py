@@ -12,15 +12,20 @@ NCCL, and names what is missing.
 
 Transformer Engine (`model.transformer_engine`, carried to every process of a run as
 MEGARL_TRANSFORMER_ENGINE): `auto` (or unset) uses it on a GPU when it imports, `true` requires it,
-`false` runs the portable spec on CUDA. A GPU run without TE says so in its first lines
-(`te_off_line`): its attention needs memory quadratic in the sequence, which nobody should learn
-from an out-of-memory error.
+`false` runs the portable spec on CUDA. Each process chooses for itself, so the ranks of one job
+must be shown to agree: each rank's `SpecChoice` is gathered where the process groups start
+(megatron_groups.init_distributed) and a job whose ranks chose differently, or where one could
+not choose, is refused before any model is built (`spec_refusal`). A GPU run without TE says so
+in its first lines, once per node (`node_lines`): its attention needs memory quadratic in the
+sequence, which nobody should learn from an out-of-memory error.
 """
 
 import functools
 import glob
 import os
-from typing import Optional, Union
+import socket
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -97,7 +102,7 @@ def choose_transformer_engine(setting: Optional[str], on_gpu: bool, te_error: Op
         raise RuntimeError(f"{TE_VARIABLE}=true ({TE_KEY}) but Transformer Engine is missing "
                            f"(transformer_engine: {te_error}): install the GPU build with {_INSTALL}, "
                            f"or set {TE_KEY}=false to run Megatron's portable layer spec on CUDA")
-    return False  # auto: said in the run's first lines (te_off_line)
+    return False  # auto: said in the run's first lines, once per node (node_lines)
 
 
 def te_off_line(setting: Optional[str], on_gpu: bool, use_te: bool,
@@ -110,6 +115,85 @@ def te_off_line(setting: Optional[str], on_gpu: bool, use_te: bool,
            else f"{TE_KEY}=auto and transformer_engine does not import: {te_error}")
     return (f"megarl: Transformer Engine off ({why}): Megatron's portable layer spec on CUDA, its "
             "attention unfused (memory quadratic in the sequence); TE-only fusions off")
+
+
+@dataclass(frozen=True)
+class SpecChoice:
+    """One rank's layer spec, as gathered when the process groups start. `use_te`: None where the
+    choice raised (`error` says why); `spec`: the choice in words with its reason; `te_off`: its
+    te_off_line."""
+    rank: int
+    host: str
+    use_te: Optional[bool]
+    spec: str
+    te_off: Optional[str] = None
+    error: Optional[str] = None
+
+
+def spec_choice(rank: int, host: str, setting: Optional[str], on_gpu: bool,
+                te_error: Optional[str]) -> SpecChoice:
+    """Pure: the SpecChoice of a rank whose MEGARL_TRANSFORMER_ENGINE is `setting`, with `on_gpu`
+    and `te_error` as choose_transformer_engine takes them. A choice that raises is recorded, not
+    raised: the other ranks wait for this one's record, and every rank refuses the job with it."""
+    try:
+        use_te = choose_transformer_engine(setting, on_gpu, te_error)
+    except (RuntimeError, ValueError) as error:
+        return SpecChoice(rank, host, None, f"no layer spec ({error})", error=str(error))
+    if use_te:
+        return SpecChoice(rank, host, True, "Transformer Engine's layer spec")
+    if not on_gpu:
+        why = "the CPU path"
+    elif te_setting(setting) == "false":
+        why = f"{TE_KEY}=false"
+    else:
+        why = f"{TE_KEY}=auto and transformer_engine does not import: {te_error}"
+    return SpecChoice(rank, host, False, f"the portable layer spec ({why})",
+                      te_off=te_off_line(setting, on_gpu, use_te, te_error))
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """Pure: ranks as sorted runs, e.g. 'ranks 0-3, 6' or 'rank 5'."""
+    ranks = sorted(ranks)
+    runs, start = [], ranks[0]
+    for previous, rank in zip(ranks, ranks[1:]):
+        if rank != previous + 1:
+            runs.append((start, previous))
+            start = rank
+    runs.append((start, ranks[-1]))
+    said = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"{'ranks' if len(ranks) > 1 else 'rank'} {said}"
+
+
+def _by_node(choices: Sequence[SpecChoice], key) -> Dict[tuple, List[int]]:
+    """(host, key(choice)) -> its ranks, hosts in the order of their first rank."""
+    groups: Dict[tuple, List[int]] = {}
+    for choice in sorted(choices, key=lambda c: c.rank):
+        groups.setdefault((choice.host, key(choice)), []).append(choice.rank)
+    return groups
+
+
+def spec_refusal(choices: Sequence[SpecChoice]) -> Optional[str]:
+    """Pure: why a job whose ranks chose `choices` may not build its model, naming each node's
+    ranks, their choice and the fix; None where every rank chose and all chose alike. Ranks on
+    different layer specs would build different parameters and kernels, and their collectives
+    would not match."""
+    failed = any(c.error is not None for c in choices)
+    if not failed and len({c.use_te for c in choices}) < 2:
+        return None
+    said = "; ".join(f"{_ranks(ranks)} on {host}: {spec}"
+                     for (host, spec), ranks in _by_node(choices, lambda c: c.spec).items())
+    head = ("not every rank could choose a layer spec" if failed
+            else "the ranks chose different layer specs, so they would build different models")
+    return (f"megarl: {head} ({said}). Every rank must build the same one: install Transformer "
+            f"Engine on every node (the same environment everywhere: {_INSTALL}), or set "
+            f"{TE_KEY}=false to run Megatron's portable layer spec on all of them")
+
+
+def node_lines(choices: Sequence[SpecChoice]) -> List[str]:
+    """Pure: what a job whose ranks agree on `choices` says at start: each node's te_off_line once
+    (not once per rank), naming the node and its ranks."""
+    return [f"{line} [{host}, {_ranks(ranks)}]"
+            for (host, line), ranks in _by_node(choices, lambda c: c.te_off).items() if line]
 
 
 def _gpu_present() -> bool:
@@ -149,10 +233,9 @@ def uses_transformer_engine() -> bool:
     return choose_transformer_engine(os.environ.get(TE_VARIABLE), on_gpu(), _this_te_error())
 
 
-def startup_line() -> Optional[str]:
-    """This process's te_off_line."""
-    return te_off_line(os.environ.get(TE_VARIABLE), on_gpu(), uses_transformer_engine(),
-                       _this_te_error())
+def this_choice(rank: int) -> SpecChoice:
+    """This process's SpecChoice, as rank `rank` on this host."""
+    return spec_choice(rank, socket.gethostname(), os.environ.get(TE_VARIABLE), on_gpu(), _this_te_error())
 
 
 def set_transformer_engine(value: Union[str, bool], environ=os.environ) -> None:

@@ -1,16 +1,18 @@
 """The one adapter between megarl and Megatron-Core's global parallel state.
 
-Owns: starting torch.distributed (nccl with CUDA, gloo without), creating Megatron's process
-groups for a validated ParallelDims, seeding, tearing it all down, and every read of that state:
-this rank's place on each parallel axis (`tensor()`, `context()`, ... -> Axis) and its pipeline
-stage. Nothing else in megarl imports `megatron.core.parallel_state` (tests/test_architecture.py).
+Owns: starting torch.distributed (nccl with CUDA, gloo without) and, once per world, the ranks'
+agreement on the layer spec (device_choice.spec_refusal, before any model can be built), creating
+Megatron's process groups for a validated ParallelDims, seeding, tearing it all down, and every
+read of that state: this rank's place on each parallel axis (`tensor()`, `context()`, ... -> Axis)
+and its pipeline stage. Nothing else in megarl imports `megatron.core.parallel_state`
+(tests/test_architecture.py).
 """
 
 import contextlib
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,8 +30,10 @@ def device() -> torch.device:
     return device_choice.collective_device()
 
 
-def init_distributed(timeout_s: float = 600.0) -> int:
-    """Start the default process group from torchrun/Ray environment variables; return world size."""
+def init_distributed(timeout_s: float = 600.0, say: Callable[[str], None] = print) -> int:
+    """Start the default process group from torchrun/Ray environment variables (or join the one
+    already started), have its ranks agree on the layer spec (`agree_on_layer_spec`, `say`ing what
+    the job runs without Transformer Engine); return world size."""
     if not dist.is_initialized():
         if device_choice.on_gpu():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -40,7 +44,32 @@ def init_distributed(timeout_s: float = 600.0) -> int:
                                   "MASTER_PORT", str(free_port())))
         dist.init_process_group(backend=backend(),
                                 timeout=datetime.timedelta(seconds=timeout_s))
+    agree_on_layer_spec(say)
     return dist.get_world_size()
+
+
+_AGREED = None  # the world whose ranks agreed on the layer spec
+
+
+def agree_on_layer_spec(say: Callable[[str], None] = print) -> None:
+    """Every entry point (the loop's ranks under torchrun or Ray, converters, scripts) starts its
+    world through init_distributed, so this is where the ranks' layer specs meet: each rank's
+    choice is gathered once per world and a job whose ranks chose differently (Transformer Engine
+    importable on one node, not another) or could not choose is refused on every rank, naming
+    them. Where they agree, rank 0 `say`s each node's Transformer-Engine-off line once."""
+    global _AGREED
+    world = dist.group.WORLD
+    if _AGREED is world:
+        return
+    choices = [None] * dist.get_world_size()
+    dist.all_gather_object(choices, device_choice.this_choice(dist.get_rank()))
+    refusal = device_choice.spec_refusal(choices)
+    if refusal:
+        raise RuntimeError(refusal)
+    _AGREED = world
+    if dist.get_rank() == 0:
+        for line in device_choice.node_lines(choices):
+            say(line)
 
 
 def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -> None:
@@ -95,6 +124,8 @@ def fake_world(dims: ParallelDims, rank: int) -> Iterator[None]:
 
 
 def destroy() -> None:
+    global _AGREED
+    _AGREED = None
     mpu = _mpu()
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()

@@ -104,7 +104,7 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
     import transformers  # slow to import: only where a run starts
 
     layout = config.layout
-    world = megatron_groups.init_distributed(config.collective_timeout_s)
+    world = megatron_groups.init_distributed(config.collective_timeout_s, say=console.say)
     if world != layout.world_size:
         raise ValueError(f"layout.world_size={layout.world_size} but {world} processes were started; "
                          "make them agree (torchrun --nproc-per-node, or let Ray place the workers)")
