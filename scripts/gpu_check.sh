@@ -9,13 +9,14 @@
 #   bash scripts/gpu_check.sh --device cpu --out /tmp/gpu_check     # the same steps, CPU-sized
 #
 # Options: --wheels DIR (none: the Python already has them), --out DIR (default: $OUT, else a new
-# temporary folder), --device cuda|cpu (default cuda), --python BIN (default python3); the rest
-# goes to scripts/gpu_check.py (--budget-s, --families, --jobs). The GPU path runs Megatron's portable layer
+# temporary folder), --device cuda|cpu (default cuda), --python BIN (default: the project's
+# environment for that device when `make install` made one, .venv-cuda or .venv, else python3); the
+# rest goes to scripts/gpu_check.py (--budget-s, --families, --jobs). The GPU path runs Megatron's portable layer
 # spec on CUDA (MEGARL_TRANSFORMER_ENGINE=false): the check machine has no Transformer Engine.
 # Results: DIR/gpu_check.json and DIR/gpu_check.log; exit 1 when a step failed or a check did not hold.
 set -u -o pipefail
 absolute() { case "$1" in /*|"") echo "$1" ;; *) echo "$PWD/$1" ;; esac; }  # before the cd below
-wheels="" out="${OUT:-}" device=cuda python=python3 rest=()
+wheels="" out="${OUT:-}" device=cuda python="" rest=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) wheels=$(absolute "$2"); shift 2 ;;
@@ -32,6 +33,15 @@ case "$device" in
 esac
 if [ -n "$wheels" ] && ! ls "$wheels"/*.whl >/dev/null 2>&1; then
   echo "gpu_check.sh: --wheels $wheels holds no .whl files: run 'make gpu-wheels' where the package index is reachable" >&2
+  exit 2
+fi
+if [ -z "$python" ]; then
+  venv=.venv; [ "$device" = cuda ] && venv=.venv-cuda
+  python=python3; [ -x "$venv/bin/python" ] && python=$venv/bin/python
+fi
+if ! "$python" -c "import torch" >/dev/null 2>&1; then
+  echo "gpu_check.sh: $python cannot import torch: run 'make install' (the check then takes the project's" \
+       "environment), or give --python BIN, a Python with torch" >&2
   exit 2
 fi
 [ -n "$out" ] || out=$(mktemp -d)

@@ -52,6 +52,8 @@ TIERS = {
     # scripts/gpu_check.sh end to end on the CPU (parity, bench and memory launches); the size check
     "test_gpu_check": (DISTRIBUTED, {"test_the_gpu_plan_is_the_issue_s_check": UNIT,
                                      "test_problems_name_each_failed_check": UNIT,
+                                     "test_the_dense_update_and_the_head_are_held_to_their_targets_on_a_gpu":
+                                         UNIT,
                                      "test_travel_size_sums_the_wheels_and_refuses_over_the_limit": UNIT}),
     "test_gpu_smoke": E2E,  # tests/gpu/: skipped without CUDA (tests/gpu/conftest.py)
     "test_hf_config": UNIT,

@@ -17,9 +17,11 @@ def _gpu_check():
 def test_check_on_cpu_runs_every_step_and_every_check_holds(tmp_path):
     out = tmp_path / "out"
     # two steps at a time: each is one process, and this machine has two cores
+    # no --python: the script takes the project's environment (.venv), as on a machine whose python3
+    # has no torch
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--out", str(out),
-                           "--python", sys.executable, "--jobs", "2"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env={k: v for k, v in os.environ.items() if k != "OUT"})
+                           "--jobs", "2"], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={k: v for k, v in os.environ.items() if k != "OUT"})
     assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log"], proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert proc.returncode == 0 and report["passed"], (report.get("problems"), proc.stdout[-2000:])
@@ -52,6 +54,11 @@ def test_check_on_cpu_runs_every_step_and_every_check_holds(tmp_path):
         assert update["megarl_seconds"] > 0 and update["bare_seconds"] > 0, update
         assert packing["packed_tokens_per_s"] > 0 and packing["padded_tokens_per_s"] > 0, packing
 
+    heads = {r["kernels"]: r for r in steps["logprob_head"]["results"] if r["case"] == "head"}
+    assert set(heads) == {"eager", "compiled"} and all(r["meets_target"] for r in heads.values()), heads
+    megatron = [r for r in steps["logprob_head"]["results"] if r["case"] == "megatron"]
+    assert len(megatron) == 1 and megatron[0]["seconds"] > 0, steps["logprob_head"]["results"]
+
     (copies,) = steps["sync_copies"]["results"]
     assert copies["device"] == "cpu" and copies["copies"] == 16, copies
     assert copies["batched_us_per_copy"] > 0 and copies["plain_copy_GBps"] > 0, copies
@@ -66,6 +73,12 @@ def test_the_gpu_plan_is_the_issue_s_check():
     for kind in ("dense", "moe"):
         argv = steps[f"bench_train_{kind}"].argv
         assert int(argv[argv.index("--hidden") + 1]) >= 2048 and "bfloat16" in argv, argv
+    # the dense case is issue 48's H200 shapes: Qwen3's vocabulary, 16K-token micro-batches
+    dense = steps["bench_train_dense"].argv
+    flags = ("--hidden", "--vocab", "--seq-len", "--micro-batch-tokens")
+    assert [dense[dense.index(flag) + 1] for flag in flags] == ["4096", "151936", "4096", "16384"], dense
+    head = steps["logprob_head"].argv
+    assert head[head.index("--vocab") + 1] == "151936" and "--megatron" in head, head
     for model in ("qwen3-30b-a3b", "deepseek-v3"):
         assert steps[f"memory_{model}"].argv[-2:] == ["--widths", "real"]
     assert steps["sync_copies"].argv[1:3] == ["--device", "cuda"]
@@ -97,6 +110,26 @@ def test_problems_name_each_failed_check():
     assert check.problems({"parity": {"rc": 0, "results": both}}, ["qwen3"]) == []
 
 
+def test_the_dense_update_and_the_head_are_held_to_their_targets_on_a_gpu():
+    check = _gpu_check()
+
+    def dense(overhead, packing):
+        return {"bench_train_dense": {"rc": 0, "results": [
+            {"case": "actor_update_vs_bare", "overhead_ratio": overhead},
+            {"case": "packed_vs_padded", "speedup": packing}]}}
+
+    assert check.problems(dense(0.1, 1.5), []) == []
+    assert check.problems(dense(0.25, 1.13), []) == ["bench_train_dense: update overhead 0.250 > 0.1",
+                                                      "bench_train_dense: packing 1.13x < 1.5x"]
+    assert check.problems(dense(0.25, 1.13), [], device="cpu") == []  # CPU sizes time nothing
+    head = {"logprob_head": {"rc": 0, "results": [
+        {"case": "head", "kernels": "compiled", "peak_over_fp32_logits": 0.5, "meets_target": True},
+        {"case": "head", "kernels": "eager", "peak_over_fp32_logits": 1.5, "meets_target": False},
+        {"case": "megatron", "seconds": 0.04}]}}
+    assert check.problems(head, []) == ["logprob_head: eager peak 1.50x the fp32 logits > 1.0x"]
+    assert check.problems({"logprob_head": {"rc": 0, "results": []}}, []) == ["logprob_head: no result"]
+
+
 def test_travel_size_sums_the_wheels_and_refuses_over_the_limit(tmp_path):
     size = load_script("gpu_travel_size")
     (tmp_path / "a.whl").write_bytes(b"x" * 3_000_000)
@@ -122,3 +155,10 @@ def test_travel_size_script_and_a_missing_wheel_folder(tmp_path):
                            str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "make gpu-wheels" in proc.stderr, proc.stderr
     assert str(empty) in proc.stderr, proc.stderr
+    no_torch = tmp_path / "python"
+    no_torch.write_text("#!/bin/sh\nexit 1\n")  # a Python that cannot import torch
+    no_torch.chmod(0o755)
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--python", str(no_torch),
+                           "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and f"{no_torch} cannot import torch: run 'make install'" in proc.stderr, \
+        proc.stderr
