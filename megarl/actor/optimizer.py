@@ -1,7 +1,9 @@
 """The trained state of a model (actor or critic): Megatron DDP, its optimizer and LR schedule.
 
 Owns OptimConfig and OptimizerOffloadConfig (validated before anything is built), the Megatron
-OptimizerConfig they make, and one optimizer step over packed micro-batches. Gradients are
+OptimizerConfig they make, one optimizer step over packed micro-batches, and the pure sizes the
+memory planner takes from them: Adam's state per element (optimizer_bytes) and a step's transient
+memory for the Adam Megatron builds (built_adam, step_transient_bytes). Gradients are
 *summed* over micro-batches and data-parallel ranks: every loss megarl returns is already that
 micro-batch's share of the global-batch loss (algos/aggregation), so nothing may divide again.
 Megatron's per-token-loss mode gives exactly that sum in DDP; the division by a token count that
@@ -10,7 +12,7 @@ Does not own losses or data.
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core.distributed import (
@@ -104,14 +106,73 @@ NO_OFFLOAD = OptimizerOffloadConfig()
 GRAD_DTYPE = torch.float32
 
 
+FP32 = 4
+# The Adam Megatron-Core 0.16 builds (megatron/core/optimizer/__init__.py, chosen once at import):
+# Transformer Engine's FusedAdam when transformer_engine imports, else Apex's FusedAdam, else
+# torch.optim.AdamW. Their steps allocate differently (step_transient_bytes).
+ADAM_KINDS = ("te", "apex", "torch")
+
+
 def optimizer_bytes(params_dtype: torch.dtype, offload: OptimizerOffloadConfig) -> Tuple[float, float]:
     """Pure: (device, host) bytes of Adam state per element of a rank's optimizer shard: the fp32
     main copy (none for fp32 parameters: they are their own) and the two moments, the offloaded
-    fraction of them on the host (Megatron's HybridDeviceOptimizer)."""
-    main = 0 if params_dtype == torch.float32 else 4
+    fraction of them on the host (Megatron's HybridDeviceOptimizer), with the fp32 gradient copy
+    that optimizer keeps there for its host part (pinned, made at the first step)."""
+    main = 0 if params_dtype == torch.float32 else FP32
     moments = (MOMENT_DTYPES[offload.exp_avg_dtype], MOMENT_DTYPES[offload.exp_avg_sq_dtype])
     per = main + sum(dtype.itemsize for dtype in moments)
-    return per * (1 - offload.fraction), per * offload.fraction
+    host = (FP32 + FP32 + 2 * FP32) if offload.fraction else 0  # its fp32 copy, grad copy, moments
+    return per * (1 - offload.fraction), host * offload.fraction
+
+
+def built_adam() -> str:
+    """The Adam Megatron-Core builds in this environment (one of ADAM_KINDS)."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    module = megatron_optimizer.Adam.__module__
+    return "te" if module.startswith("transformer_engine") else "apex" if module.startswith("apex") \
+        else "torch"
+
+
+def step_transients(adam: str, on_gpu: bool, offload: OptimizerOffloadConfig, group: int, tensor: int,
+                    clip: bool) -> Dict[str, float]:
+    """Pure: the most device bytes each part of one optimizer step allocates beyond the state it
+    steps, for `adam` (ADAM_KINDS) on a GPU or the CPU. `group`: the elements of the largest
+    parameter group one Adam call steps (of a rank's optimizer shard: Megatron's dense or expert
+    optimizer); `tensor`: those of the largest single tensor in it; `clip`: clip_grad > 0.
+      finite  megarl's check before the step (TrainState.step: aminmax per gradient buffer): none
+      clip    TE's and Apex's multi_tensor_scale scale in place; without them Megatron's
+              local_multi_tensor_scale writes dst.copy_(src * scale), one fp32 tensor at a time
+      adam    torch's AdamW with neither foreach nor fused set: multi-tensor on CUDA, whose
+              _foreach_sqrt(exp_avg_sqs) holds an fp32 copy of the group's second moment; per
+              tensor on the CPU (no foreach kernels there), where a tensor's denominator (its sqrt,
+              then the quotient) is made while the previous tensor's is still held: at most three
+              fp32 tensors, s[i-1] + 2 s[i]. TE's FusedAdam: in place for fp32 moments; each
+              narrower moment (bf16, fp16, fp8) is unscaled to an fp32 copy for the whole group
+              before the kernel (get_unscaled_state), a bf16 one cast back a tensor at a time.
+              Apex's: in place (fp32 moments only). With the offload, HybridDeviceOptimizer builds
+              both parts with fused=True (in place); the host part's new weights come back by a
+              non-blocking copy_ of fp32 host tensors into the bf16 parameters, which converts on
+              the GPU through an fp32 staging tensor (ATen's copy_kernel_cuda), a tensor at a time."""
+    if adam not in ADAM_KINDS:
+        raise ValueError(f"adam={adam!r}: one of {ADAM_KINDS} (the Adam Megatron-Core builds: TE's "
+                         "FusedAdam, Apex's FusedAdam, or torch.optim.AdamW)")
+    if offload.fraction:
+        step = FP32 * tensor if on_gpu else 0
+    elif adam == "torch":
+        step = FP32 * group if on_gpu else 3 * FP32 * tensor
+    else:
+        narrow = [name for name in (offload.exp_avg_dtype, offload.exp_avg_sq_dtype) if name != "fp32"]
+        step = FP32 * group * len(narrow) + (2 * tensor if "bf16" in narrow else 0)
+    return {"finite": 0.0, "clip": float(FP32 * tensor if clip and adam == "torch" else 0),
+            "adam": float(step)}
+
+
+def step_transient_bytes(adam: str, on_gpu: bool, offload: OptimizerOffloadConfig, group: int, tensor: int,
+                         clip: bool) -> float:
+    """Pure: a step's transient peak: its parts (step_transients) run in turn, each freeing its
+    temporaries before the next."""
+    return max(step_transients(adam, on_gpu, offload, group, tensor, clip).values())
 
 
 def check_offload(optim: OptimConfig, offload: OptimizerOffloadConfig, section: str) -> None:
@@ -252,7 +313,11 @@ def _grads_finite(model: List[DistributedDataParallel]) -> bool:
     """Whether every gradient on every rank is finite. All ranks must agree: a rank that stepped
     alone would leave the model replicas different."""
     buffers = [b.grad_data for chunk in model for b in chunk.buffers + chunk.expert_parallel_buffers]
-    finite = all(bool(torch.isfinite(g).all()) for g in buffers)
+    # Each buffer's min and max are finite exactly when all of it is (both are NaN where any
+    # element is; +-inf shows in one of them): one read, two scalars. torch.isfinite(g) held
+    # 7 bytes per element (its ==, abs, != and product at once), 21.8 GB on the H200's 3.1B-
+    # parameter slice (docs/gpu/h200_2026-11-28.json).
+    finite = all(bool(torch.isfinite(torch.stack(torch.aminmax(g))).all()) for g in buffers if g.numel())
     flag = torch.tensor([float(finite)], device=buffers[0].device if buffers else None)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     return bool(flag.item())

@@ -27,6 +27,7 @@ class HeldParams:
     buffers: int  # elements of weight buffers (the fp32 router expert bias): no gradient
     bytes: int  # the parameters' and weight buffers' own bytes (each in its dtype), frozen ones too
     frozen: int = 0  # parameters' elements without gradient or optimizer state (a LoRA run's base)
+    largest: int = 0  # the largest trained parameter's elements (a step's per-tensor temporaries)
 
     @property
     def elements(self) -> int:
@@ -61,5 +62,6 @@ def held_params(arch: ModelArch, dims: ParallelDims, role: str = "policy", lora:
             held[stage] = HeldParams(dense=total - expert, expert=expert,
                                      buffers=sum(b.numel() for b in buffers),
                                      bytes=sum(t.numel() * t.element_size() for t in params + buffers),
-                                     frozen=sum(p.numel() for p in params) - total)
+                                     frozen=sum(p.numel() for p in params) - total,
+                                     largest=max((p.numel() for p in trained), default=0))
     return held
