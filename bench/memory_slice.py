@@ -3,6 +3,8 @@ scripts/plan_memory.py and the preflight use) against the measured peak of each 
 actor step, on a few-layer slice of a published model, at world 1.
 
   python bench/memory_slice.py --model qwen3-30b-a3b|deepseek-v3 --widths real|tiny
+  python bench/memory_slice.py --replay docs/gpu/h200_2026-11-28.json   # no run: today's plan
+                                                                        # against a GPU's record
 
 The slice: docs/configs/<model>.json with fewer layers (DeepSeek-V3: one dense layer, then MoE
 layers; 16 of its 256 routed experts, the share of an EP16 rank, since its 11 B parameters per MoE
@@ -12,7 +14,11 @@ with a 64K vocabulary in fp32, the CPU counterpart (bench/bench_memory.py's phas
 logits that dwarf what the process holds besides them). Measured: bench/memory_phases.py's
 measure() (the second of two steps; GPU: the allocator's peak, torch.cuda.max_memory_allocated
 after reset_peak_memory_stats; CPU: the resident set's high-water mark), each phase's peak above
-the memory in use before the model was built. Prints one JSON object.
+the memory in use before the model was built. The plan is of what the worker builds here: the
+layer spec this process takes (device_choice.uses_transformer_engine; the GPU check runs the
+portable one) and the Adam Megatron builds here (optimizer.built_adam: without Transformer Engine
+or Apex torch's AdamW, multi-tensor on CUDA), both named in the output. Prints one JSON object.
+--replay FILE plans the slices of a GPU's record (megarl/trainer/memory_record.py) instead.
 """
 
 import argparse
@@ -22,18 +28,21 @@ import os
 import torch
 from memory_phases import full_batch, measure  # bench/ is the script's directory
 
+from megarl.actor.optimizer import built_adam
 from megarl.demo.tiny_checkpoint import BASE, FAMILIES
 from megarl.models.destination import RolloutLayout
 from megarl.models.hf_config import arch_from_hf_config
 from megarl.parallel_state import device_choice, megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.trainer import memory_plan as mp
+from megarl.trainer import memory_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUND = 0.15  # |planned - measured| <= 15% of measured, every phase (bench_memory.py's PHASE_BOUND)
 PHASES = ("old_logprobs", "actor_update")
 # name -> (tiny family, slice fields, {widths: (sequences, length, micro-batch tokens)}). Real
-# widths: micro-batches of 8K / 4K tokens, two per step; planned 68 GB and 87 GB (H200: 150 GB).
+# widths: micro-batches of 8K / 4K tokens, two per step; updates planned at 68.5 GB and 94.8 GB on
+# CUDA without Transformer Engine (H200: 150 GB).
 SLICES = {
     "qwen3-30b-a3b": ("qwen3_moe", dict(num_hidden_layers=4),
                       {"real": (4, 4096, 8192), "tiny": (4, 256, 512)}),
@@ -56,30 +65,53 @@ def slice_config(model: str, widths: str) -> dict:
     return {**config, **fields}
 
 
-def planned(arch, dims: ParallelDims, budget: int) -> dict:
-    """The plan's peaks of the phases measured, for what the worker runs: the actor alone, no
-    engine (colocated=False), nothing else on the rank. The plan's `gpu` switch counts flash
-    attention's activations (the engine terms it also decides are not planned here); without
-    Transformer Engine the portable attention repeats K and V per query head, on CUDA as on CPU."""
+def ran_here() -> dict:
+    """What the worker builds in this process: the device, the layer spec and Megatron's Adam."""
+    on_gpu, use_te, adam = device_choice.on_gpu(), device_choice.uses_transformer_engine(), built_adam()
+    kind = {"te": "Transformer Engine's FusedAdam", "apex": "Apex's FusedAdam",
+            "torch": f"torch's AdamW, {'multi-tensor' if on_gpu else 'per tensor'}"}[adam]
+    return {"device": "cuda" if on_gpu else "cpu", "transformer_engine": use_te, "adam": adam,
+            "optimizer": kind, "layer_spec": "Transformer Engine's" if use_te else "portable"}
+
+
+def planned(arch, dims: ParallelDims, budget: int, ran: dict) -> dict:
+    """The plan's peaks of the phases measured, for what the worker runs (`ran`): the actor alone,
+    no engine (colocated=False), nothing else on the rank."""
     request = mp.MemoryRequest(arch=arch, dims=dims, rollout=RolloutLayout(1), device_bytes=float("inf"),
-                               actor=mp.TrainedModel(budget), gpu=device_choice.uses_transformer_engine(),
+                               actor=mp.TrainedModel(budget), gpu=ran["device"] == "cuda",
+                               transformer_engine=ran["transformer_engine"], adam=ran["adam"],
                                colocated=False)
     stage = mp.plan_memory(request)[0]
     return {phase: stage.phases[phase] for phase in PHASES}
 
 
+def replay(path: str) -> dict:
+    """Today's plan of a GPU record's slices against its measured phases, like for like."""
+    record = memory_record.load(path)
+    slices = memory_record.replay(record)
+    return {"record": path, "commit": record["commit"], "ran": record["ran"], "slices": slices,
+            "worst_error": max(abs(p["error"]) for phases in slices.values() for p in phases.values())}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--model", required=True, choices=sorted(SLICES))
-    parser.add_argument("--widths", required=True, choices=("real", "tiny"))
+    parser.add_argument("--model", choices=sorted(SLICES))
+    parser.add_argument("--widths", choices=("real", "tiny"))
+    parser.add_argument("--replay", metavar="FILE", help="a GPU's record (docs/gpu/): plan, run nothing")
     args = parser.parse_args()
+    if args.replay:
+        print(json.dumps(replay(args.replay)), flush=True)
+        return
+    if not (args.model and args.widths):
+        parser.error("--model and --widths are required (or --replay FILE)")
     if not device_choice.on_gpu():
         torch.set_num_threads(1)  # a 2-core machine
     config = slice_config(args.model, args.widths)
     arch = arch_from_hf_config(config)
     sequences, length, budget = SLICES[args.model][2][args.widths]
     dims = ParallelDims(world_size=1)
-    plan = planned(arch, dims, budget)  # before any process group: the plan builds on the meta device
+    ran = ran_here()
+    plan = planned(arch, dims, budget, ran)  # before any process group: the plan builds on the meta device
     measured = measure(arch, dims, full_batch(arch.vocab_size, sequences, length), budget)
     megatron_groups.destroy()
     phases = {phase: {"planned_gb": round(plan[phase] / 1e9, 3),
@@ -92,7 +124,7 @@ def main():
         "hidden": arch.hidden_size, "experts": arch.num_experts, "vocab": arch.vocab_size,
         "sequences": sequences, "length": length, "micro_batch_tokens": budget,
         "measured_by": "torch.cuda.max_memory_allocated" if device_choice.on_gpu()
-        else "VmHWM (the resident set)",
+        else "VmHWM (the resident set)", "ran": ran,
         "phases": phases, "worst_error": worst, "bound": BOUND, "within_bound": worst <= BOUND}), flush=True)
 
 

@@ -16,7 +16,10 @@ and binding_phase.
 
 --recompute: none | selective[:MODULE+MODULE] | full[:uniform|block[:N]] (full alone: uniform, 1
 layer). --reserve-gb: memory that is not PyTorch's tensors (CUDA context, NCCL buffers, vLLM's
-CUDA graphs, the allocator's fragmentation), assumed, not measured.
+CUDA graphs, the allocator's fragmentation), assumed, not measured. The layer spec and the Adam
+planned: --transformer-engine and --adam; with --config, what the run's preflight plans (on a GPU
+what this machine builds, elsewhere the config's model.transformer_engine: auto and true plan
+Transformer Engine's attention and FusedAdam, false the portable attention and torch's AdamW).
 """
 
 import argparse
@@ -24,10 +27,12 @@ import json
 import os
 import sys
 
-from megarl.actor.optimizer import OptimizerOffloadConfig
+from megarl.actor.optimizer import ADAM_KINDS, OptimizerOffloadConfig
 from megarl.models.megatron_config import RECOMPUTE_MODULES, RecomputeConfig
 from megarl.resharding import cluster_plan as cp
 from megarl.trainer import memory_plan as mp
+
+ADAM_NAMES = {"te": "Transformer Engine's FusedAdam", "apex": "Apex's FusedAdam", "torch": "torch's AdamW"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-export", action="store_true", help="no HF export at the end")
     parser.add_argument("--bucket-mb", type=int, default=256, help="layout.sync_bucket_mb")
     parser.add_argument("--dtype", default=None, help="the model's dtype (default: the config's)")
+    parser.add_argument("--transformer-engine", choices=("true", "false"), default="true",
+                        help="the layer spec: Transformer Engine's (flash attention: K and V per KV "
+                        "head) or the portable one (K and V repeated per query head)")
+    parser.add_argument("--adam", choices=ADAM_KINDS, default=None,
+                        help="the Adam Megatron builds: te (TE's FusedAdam), apex, torch (AdamW, "
+                        "multi-tensor on CUDA); default: te with --transformer-engine true, else torch")
     parser.add_argument("overrides", nargs="*", help="with --config: dotted overrides, as the training "
                         "script takes them (actor.recompute.granularity=full ...)")
     parser.add_argument("--reserve-gb", type=float, default=mp.RUNTIME_RESERVE_GB,
@@ -90,6 +101,7 @@ def _from_flags(args, arch) -> mp.MemoryRequest:
         arch=arch, dims=dims, rollout=cp.rollout_layout(args.rollout),
         device_bytes=args.gpu_memory_gb * mp.GB, actor=model, critic=model if args.critic else None,
         gpus_per_node=args.gpus_per_node, offload_params=args.offload_params,
+        transformer_engine=args.transformer_engine == "true", adam=args.adam,
         engine_fraction=args.engine_fraction, bucket_bytes=args.bucket_mb * 2**20,
         export_hf=not args.no_export, runtime_bytes=args.reserve_gb * mp.GB)
 
@@ -114,6 +126,9 @@ def _print(stages, verdict: dict) -> None:
     print("GB per GPU, by pipeline stage and phase:")
     for row in rows:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    spec = "Transformer Engine's (flash attention)" if verdict["transformer_engine"] else \
+        "the portable one (K and V repeated per query head)"
+    print(f"layer spec: {spec}; Adam: {ADAM_NAMES[verdict['adam']]}")
     print(f"stage {verdict['binding_stage']}'s terms (GB): " + ", ".join(
         f"{k} {v}" for k, v in verdict["terms_gb"].items() if v))
     print(f"peak {verdict['peak_gb_per_gpu']} GB of {verdict['device_gb']} GB in {verdict['binding_phase']}"

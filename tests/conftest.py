@@ -78,7 +78,8 @@ TIERS = {
     "test_memory_plan": (DISTRIBUTED, {name: UNIT for name in (
         "test_meta_model_holds_what_the_sync_layout_says", "test_sync_bound_holds_the_planned_peak",
         "test_activations_shrink_with_recompute_tp_and_pipeline_units",
-        "test_a_lora_actor_trains_its_adapters_alone")}),
+        "test_a_lora_actor_trains_its_adapters_alone", "test_plan_matches_the_h200_slices",
+        "test_step_transients_match_the_resident_set", "test_knobs_leave_out_what_the_run_has_set")}),
     "test_memory_order": (E2E, {"test_phase_timer_moves_seconds_between_phases": UNIT}),
     "test_offload": E2E,  # its launches hand memory over to a real vLLM engine
     "test_packing": UNIT,

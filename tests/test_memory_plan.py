@@ -7,21 +7,29 @@ output and refusals, and the plan against the measured memory of real actor step
 - Activations shrink as recompute, TP and CP say they should.
 - Measured: bench/bench_memory.py --phases-only runs a real actor's old log-probs and update at
   TP2, PP2 and DP2 (two gloo ranks) and plans the same runs; every phase within its 15% bound.
+- Measured on an H200 (docs/gpu/h200_2026-11-28.json): today's plan of bench/memory_slice.py's two
+  slices, with the optimizer and layer spec that ran and the terms changed since put back as they
+  were, within 5% of the four measured peaks.
+- Each part of the optimizer step's transient memory against the resident set (bench/step_memory.py).
+- The knobs a refusal names leave out what the run has already set.
 """
 
 import json
 
 import pytest
 
+from megarl.actor.optimizer import OptimizerOffloadConfig
 from megarl.models.activation_memory import stage_bytes_per_token
 from megarl.models.destination import RolloutLayout, vllm_rank_tensors
 from megarl.models.held_params import held_params
 from megarl.models.hf_config import arch_from_hf_config
-from megarl.models.megatron_config import NO_RECOMPUTE, RecomputeConfig
+from megarl.models.megatron_config import NO_RECOMPUTE, RecomputeConfig, padded_vocab_size
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.cluster_plan import plan_cluster
 from megarl.resharding.plan import peak_bound
 from megarl.resharding.source_layout import layout_pieces
+from megarl.trainer import memory_plan as mp
+from megarl.trainer import memory_record
 from tests.launch import finish, last_json, run, start
 from tests.published_configs import DEEPSEEK_V3, MIXTRAL_8X7B, QWEN3_30B_A3B
 
@@ -119,3 +127,71 @@ def test_plan_matches_measured_phases():
         for phase, figures in row["phases"].items():
             assert abs(figures["error"]) <= summary["bound"], (row["layout"], phase, figures)
             assert figures["measured_gb"] > 0.5, "the state and logits dwarf the process's own memory"
+
+
+def test_plan_matches_the_h200_slices():
+    """Today's plan of the two slices the H200 measured (bench/memory_slice.py --widths real at
+    2c0aa45: torch's multi-tensor AdamW, the portable attention), the log-prob head and the finite
+    check before the step as they were then: each phase within 5% of the measured peak, read from
+    the record. Both updates peaked in the step (the state and the finite check's 7 bytes per
+    gradient element), above their backward's peak: the plan takes the larger, not the sum."""
+    record = memory_record.load()
+    assert record["ran"]["adam"] == "torch" and record["ran"]["transformer_engine"] is False
+    replayed = memory_record.replay(record)
+    assert set(replayed) == {"qwen3-30b-a3b", "deepseek-v3"}
+    for name, phases in replayed.items():
+        assert set(phases) == {"old_logprobs", "actor_update"}
+        for phase, figures in phases.items():
+            assert abs(figures["error"]) <= 0.05, (name, phase, figures)
+        request = memory_record.slice_request(record, name)
+        (stage,) = mp.plan_memory(request)
+        terms, held = stage.terms, stage.held["actor"]
+        state = terms["actor_params"] + terms["actor_grads"] + terms["actor_optimizer"]
+        finite = record["then"]["finite_check_bytes_per_gradient_element"] * held.elements
+        head = memory_record.then_head_bytes(record["then"]["logprob_head"], request.actor.micro_batch_tokens,
+                                             padded_vocab_size(request.arch.vocab_size, 1), 2, backward=True)
+        backward = terms["actor_activations"] + terms["actor_logits"] + head
+        assert backward < finite and terms["actor_step"] < finite, (name, backward, terms["actor_step"])
+        assert phases["actor_update"]["planned_gb"] == pytest.approx((state + finite) / mp.GB, abs=1e-3)
+
+
+def test_step_transients_match_the_resident_set():
+    """bench/step_memory.py: each part of a step (the finite check then and now, torch's AdamW
+    multi-tensor, per tensor and fused, Megatron's local clip) against step_transients."""
+    proc = run("bench/step_memory.py", "--elements", "10000000", timeout=300)
+    rows = {row["case"]: row for row in map(json.loads, filter(None, proc.stdout.splitlines()))}
+    assert set(rows) == {"finite_isfinite", "finite_aminmax", "adam_foreach", "adam_per_tensor",
+                         "adam_fused", "clip_local"}, rows
+    for row in rows.values():
+        if row["planned_bytes"]:
+            assert row["measured_over_planned"] == pytest.approx(1.0, abs=0.02), row
+        else:
+            assert row["measured_bytes"] < 2e6, row  # nothing the size of a tensor (40 MB)
+
+
+def test_knobs_leave_out_what_the_run_has_set():
+    arch = arch_from_hf_config(QWEN3_30B_A3B)
+    dims = ParallelDims(world_size=32, tp=4, pp=2, ep=8, etp=1)
+
+    def request(actor, rollout_tp=4, **fields):
+        return mp.MemoryRequest(arch=arch, dims=dims, rollout=RolloutLayout(rollout_tp), device_bytes=80e9,
+                                actor=actor, **fields)
+
+    bare = request(mp.TrainedModel(16384))
+    assert mp.knobs(bare, "actor_update") == (
+        "set actor.recompute (granularity=full, method=uniform, num_layers=1), set actor.optimizer_offload."
+        "fraction, lower actor.batching.micro_batch_tokens, or use more GPUs (pp, ep)")
+    assert "set offload_params=true" in mp.knobs(bare, "sync") and "rollout_tp" in mp.knobs(bare, "sync")
+    aided = request(mp.TrainedModel(16384, mp.MOST_RECOMPUTE, OptimizerOffloadConfig(fraction=1.0)),
+                    offload_params=True, rollout_tp=32)
+    assert mp.knobs(aided, "actor_update") == (
+        "lower actor.batching.micro_batch_tokens, or use more GPUs (pp, ep)")
+    assert mp.knobs(aided, "sync") == "lower layout.sync_bucket_mb"
+    assert mp.knobs(aided, "generation") == "lower generation.gpu_memory_utilization"
+    assert mp.knobs(aided, "hf_export") == "lower layout.sync_bucket_mb"
+    half = request(mp.TrainedModel(16384, RecomputeConfig("full", "block", 2),
+                                   OptimizerOffloadConfig(fraction=0.5)))
+    assert "raise actor.optimizer_offload.fraction (now 0.5)" in mp.knobs(half, "old_logprobs")
+    assert "set actor.recompute" in mp.knobs(half, "actor_update")  # block of 2: not all it can do
+    verdict = mp.summary(bare, mp.plan_memory(bare))
+    assert verdict["binding_phase"] == "actor_update" and verdict["knobs"] == mp.knobs(bare, "actor_update")

@@ -13,10 +13,19 @@ Every quantity comes from the code that sizes the real run, not a second copy of
                     a LoRA actor's adapters alone)
   optimizer         Adam's shard per rank, device and host parts (optimizer.optimizer_bytes): dense
                     parameters over DP x CP, experts' over expert-DP (distributed optimizer)
+  optimizer step    the step's transients for the Adam Megatron builds (TE's or Apex's FusedAdam,
+                    torch's AdamW: multi-tensor on CUDA, per tensor on the CPU; the offload's
+                    HybridDeviceOptimizer): optimizer.step_transient_bytes. The step runs after the
+                    last backward, when the activations, logits and log-prob head are freed and the
+                    gradients and state are held: an update's peak is the larger of its backward's
+                    and its step's, not their sum (measured on the H200: docs/gpu/)
   activations       models/activation_memory.py, for the micro-batch the packing budget allows
                     (the batching config's micro_batch_tokens, or plan_micro_batches' largest),
                     times the micro-batches a 1F1B stage holds at once
-  log-probs         the logits of one micro-batch and algos/vocab_parallel.working_bytes
+  log-probs         the logits of one micro-batch and algos/vocab_parallel.working_bytes for the
+                    head's kernels on this device (compiled on CUDA, eager chunks on the CPU)
+  attention         what the run's layer spec keeps: Transformer Engine's flash attention K and V
+                    per KV head, the portable attention (no TE, on CUDA as on CPU) per query head
   engine            vLLM's share of the GPU (generation.gpu_memory_utilization: weights, KV cache
                     and its activations; on CPU its weights and the configured KV cache), its
                     weights per rank from the sync's destination layout (models/destination.py)
@@ -34,7 +43,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from megarl.actor.optimizer import GRAD_DTYPE, NO_OFFLOAD, OptimizerOffloadConfig, optimizer_bytes
+from megarl.actor.optimizer import (
+    ADAM_KINDS,
+    GRAD_DTYPE,
+    NO_OFFLOAD,
+    OptimizerOffloadConfig,
+    built_adam,
+    optimizer_bytes,
+    step_transient_bytes,
+)
 from megarl.actor.packing import plan_micro_batches
 from megarl.algos.vocab_parallel import working_bytes
 from megarl.models import peft_io
@@ -44,11 +61,15 @@ from megarl.models.held_params import HeldParams, held_params
 from megarl.models.hf_config import DTYPES, ModelArch
 from megarl.models.lora import LoraConfig
 from megarl.models.megatron_config import NO_RECOMPUTE, RecomputeConfig, padded_vocab_size
+from megarl.parallel_state import device_choice
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.plan import peak_bound
 
 PHASES = ("engine_start", "sync", "generation", "old_logprobs", "ref_logprobs", "values",
           "actor_update", "critic_update", "hf_export")
+# Each trained model's terms (prefixed actor_ / critic_), bytes per rank.
+MODEL_TERMS = ("params", "grads", "optimizer", "optimizer_host", "step", "activations", "forward_layer",
+               "logits", "logprob_forward", "logprob_train")
 GB = 1e9
 # Per GPU, what is not PyTorch's tensors: the CUDA context (~0.5 GB), NCCL's buffers for
 # Megatron's and vLLM's groups, vLLM's CUDA graphs (kept while it sleeps), the caching
@@ -63,6 +84,7 @@ class TrainedModel:
     recompute: RecomputeConfig = NO_RECOMPUTE
     offload: OptimizerOffloadConfig = NO_OFFLOAD
     distributed_optimizer: bool = True
+    clip: bool = True  # optim.clip_grad > 0: the step clips the gradients (a transient without TE/Apex)
 
 
 @dataclass(frozen=True)
@@ -75,7 +97,11 @@ class MemoryRequest:
     critic: Optional[TrainedModel] = None
     reference: bool = False  # the reference policy's weights: host copies, nothing on the device
     gpus_per_node: int = 8
-    gpu: bool = True  # the GPU path: vLLM sleep mode, flash attention, offload off the device
+    gpu: bool = True  # the GPU path: vLLM sleep mode, offload off the device, CUDA's kernels
+    # The layer spec: Transformer Engine's (flash attention) or the portable one; None: TE on the
+    # GPU path, portable on the CPU (device_choice.uses_transformer_engine decides it for a run).
+    transformer_engine: Optional[bool] = None
+    adam: Optional[str] = None  # optimizer.ADAM_KINDS; None: TE's FusedAdam with TE, else torch's AdamW
     offload_params: bool = False  # parameters off the device too during generation
     engine_fraction: float = 0.5  # generation.gpu_memory_utilization (GPU)
     kv_cache_bytes: float = 0.0  # generation.kv_cache_gib (CPU)
@@ -86,13 +112,28 @@ class MemoryRequest:
     colocated: bool = True  # False: engines on rollout ranks of their own (not planned here)
     actor_lora: Optional[LoraConfig] = None  # the actor trains these adapters alone (base frozen)
 
+    def __post_init__(self):
+        if self.adam is not None and self.adam not in ADAM_KINDS:
+            raise ValueError(f"adam={self.adam!r}: one of {ADAM_KINDS} (TE's FusedAdam, Apex's "
+                             "FusedAdam, torch's AdamW), or None for the layer spec's")
+
+    @property
+    def uses_te(self) -> bool:
+        return self.gpu if self.transformer_engine is None else self.transformer_engine
+
+    @property
+    def adam_kind(self) -> str:
+        return self.adam or ("te" if self.uses_te else "torch")
+
 
 @dataclass
 class StagePlan:
-    """One pipeline stage's ranks: every term (bytes) and every phase's peak (bytes)."""
+    """One pipeline stage's ranks: every term (bytes), every phase's peak (bytes), and each trained
+    model's parameters there (what its gradient buffers and optimizer step scale with)."""
     stage: int
     terms: Dict[str, float] = field(default_factory=dict)
     phases: Dict[str, float] = field(default_factory=dict)
+    held: Dict[str, HeldParams] = field(default_factory=dict)
 
 
 def micro_batch_tokens(budget: Optional[int], micro_batches: int, sequences: int, longest: int,
@@ -115,13 +156,20 @@ def _in_flight(dims: ParallelDims, stage: int) -> int:
     return (dims.pp - stage - 1) * 2 + (dims.vpp - 1) * dims.pp + 1
 
 
-def _state(held: HeldParams, model: TrainedModel, arch: ModelArch, dims: ParallelDims) -> Dict[str, float]:
-    """Parameters, gradients and optimizer state (device, host) of one trained model on a rank."""
-    device, host = optimizer_bytes(arch.torch_dtype, model.offload)
-    shard = held.dense / (dims.dp * dims.cp) + held.expert / dims.expert_dp \
-        if model.distributed_optimizer else held.elements
+def _state(held: HeldParams, model: TrainedModel, request: MemoryRequest) -> Dict[str, float]:
+    """Parameters, gradients, optimizer state (device, host) and the optimizer step's transient of
+    one trained model on a rank."""
+    dims = request.dims
+    device, host = optimizer_bytes(request.arch.torch_dtype, model.offload)
+    dense, expert = (held.dense / (dims.dp * dims.cp), held.expert / dims.expert_dp) \
+        if model.distributed_optimizer else (held.dense, held.expert)
+    # Megatron steps dense and expert parameters with two optimizers, one group of each at a time
+    # (its no-weight-decay group of norms and biases is left in the larger: under 0.1%).
+    group = max(dense, expert)
+    step = step_transient_bytes(request.adam_kind, request.gpu, model.offload, group,
+                                min(held.largest, group), model.clip)
     return {"params": held.bytes, "grads": held.elements * GRAD_DTYPE.itemsize,
-            "optimizer": shard * device, "optimizer_host": shard * host}
+            "optimizer": (dense + expert) * device, "optimizer_host": (dense + expert) * host, "step": step}
 
 
 def _activations(request: MemoryRequest, model: TrainedModel, stage: int, logits: bool) -> Dict[str, float]:
@@ -130,10 +178,11 @@ def _activations(request: MemoryRequest, model: TrainedModel, stage: int, logits
     dtype_bytes = DTYPES[arch.dtype].itemsize
     tokens = math.ceil(model.micro_batch_tokens / dims.cp)
     chunks = dims.chunk_layers(arch.num_layers)[stage::dims.pp]  # this pipeline rank's
-    per_chunk = [stage_bytes_per_token(arch, dims, layers, dtype_bytes, request.gpu, model.recompute)
+    flash = request.uses_te
+    per_chunk = [stage_bytes_per_token(arch, dims, layers, dtype_bytes, flash, model.recompute)
                  for layers in chunks]
     kept, recomputing = max(k for k, _ in per_chunk), max(r for _, r in per_chunk)
-    one_layer = max(layer_elements(arch, layer, dims, dtype_bytes, request.gpu)
+    one_layer = max(layer_elements(arch, layer, dims, dtype_bytes, flash)
                     for layers in chunks for layer in layers) * dtype_bytes
     out = {"activations": tokens * (kept * _in_flight(dims, stage) + recomputing),
            "forward_layer": tokens * one_layer, "logits": 0.0, "logprob_train": 0.0,
@@ -141,8 +190,9 @@ def _activations(request: MemoryRequest, model: TrainedModel, stage: int, logits
     if logits and stage == dims.pp - 1:
         shard = padded_vocab_size(arch.vocab_size, dims.tp) // dims.tp
         out["logits"] = tokens * shard * dtype_bytes
-        out["logprob_train"] = working_bytes(tokens, shard, dtype_bytes, backward=True)
-        out["logprob_forward"] = working_bytes(tokens, shard, dtype_bytes, backward=False)
+        device = "cuda" if request.gpu else "cpu"
+        out["logprob_train"] = working_bytes(tokens, shard, dtype_bytes, backward=True, device=device)
+        out["logprob_forward"] = working_bytes(tokens, shard, dtype_bytes, backward=False, device=device)
     return out
 
 
@@ -152,8 +202,14 @@ def _engine_tensors(request: MemoryRequest):
     return vllm_rank_tensors(request.arch, request.rollout, 0)
 
 
-def _phases(request: MemoryRequest, t: Dict[str, float]) -> Dict[str, float]:
+def phase_peaks(request: MemoryRequest, t: Dict[str, float]) -> Dict[str, float]:
+    """Pure: each phase's peak (bytes) from one stage's terms (StagePlan.terms)."""
     state = sum(t[f"{m}_{k}"] for m in ("actor", "critic") for k in ("params", "grads", "optimizer"))
+    forward, update = {}, {}
+    for m in ("actor", "critic"):
+        forward[m] = t[f"{m}_forward_layer"] + t[f"{m}_logits"] + t[f"{m}_logprob_forward"]
+        backward = t[f"{m}_activations"] + t[f"{m}_logits"] + t[f"{m}_logprob_train"]
+        update[m] = max(backward, t[f"{m}_step"])  # the step runs once the backward's memory is freed
     base = t["runtime"] + t["reward_models"]
     if request.gpu:
         # Sync and generation: optimizer state and gradients are off the device (and the critic's
@@ -167,12 +223,12 @@ def _phases(request: MemoryRequest, t: Dict[str, float]) -> Dict[str, float]:
         generation = training = base + state + t["engine"]
         sync = generation + t["sync_buffers"]
     phases = {"engine_start": t["runtime"] + t["engine"], "sync": sync, "generation": generation,
-              "old_logprobs": training + t["actor_forward"], "actor_update": training + t["actor_train"]}
+              "old_logprobs": training + forward["actor"], "actor_update": training + update["actor"]}
     if request.reference:
         phases["ref_logprobs"] = phases["old_logprobs"]
     if request.critic is not None:
-        phases["values"] = training + t["critic_forward"]
-        phases["critic_update"] = training + t["critic_train"]
+        phases["values"] = training + forward["critic"]
+        phases["critic_update"] = training + update["critic"]
     if request.export_hf:
         phases["hf_export"] = training + t["export_buffers"]
     return {phase: phases[phase] for phase in PHASES if phase in phases}
@@ -202,42 +258,66 @@ def plan_memory(request: MemoryRequest) -> List[StagePlan]:
               if request.export_hf else 0.0}
     stages = []
     for stage in range(dims.pp):
-        terms = dict(shared)
+        terms, models = dict(shared), {}
         for name, held, model in (("actor", actor, request.actor), ("critic", critic, request.critic)):
             if model is None:
-                terms.update({f"{name}_{k}": 0.0 for k in ("params", "grads", "optimizer",
-                                                            "optimizer_host", "forward", "train")})
+                terms.update({f"{name}_{k}": 0.0 for k in MODEL_TERMS})
                 continue
-            terms.update({f"{name}_{k}": v for k, v in _state(held[stage], model, arch, dims).items()})
+            models[name] = held[stage]
+            terms.update({f"{name}_{k}": v for k, v in _state(held[stage], model, request).items()})
             act = _activations(request, model, stage, logits=name == "actor")
-            terms[f"{name}_activations"] = act["activations"]
-            terms[f"{name}_logits"] = act["logits"]
-            terms[f"{name}_forward"] = act["forward_layer"] + act["logits"] + act["logprob_forward"]
-            terms[f"{name}_train"] = act["activations"] + act["logits"] + act["logprob_train"]
-        stages.append(StagePlan(stage, terms, _phases(request, terms)))
+            terms.update({f"{name}_{k}": act[k] for k in ("activations", "forward_layer", "logits",
+                                                          "logprob_forward", "logprob_train")})
+        stages.append(StagePlan(stage, terms, phase_peaks(request, terms), models))
     return stages
 
 
+# The knobs that lower each phase's peak, in the order worth trying (knob_advice words each).
 KNOBS = {
-    "engine_start": "lower generation.gpu_memory_utilization, or raise layout.rollout_tp (fewer "
-                    "engine weights per GPU)",
-    "sync": "lower layout.sync_bucket_mb, set offload_params=true, or raise layout.rollout_tp",
-    "generation": "set offload_params=true, or lower generation.gpu_memory_utilization",
-    "old_logprobs": "lower {role}.batching.micro_batch_tokens, set {role}.optimizer_offload.fraction, "
-                    "or use more GPUs (pp, ep)",
-    "actor_update": "set actor.recompute (granularity=full, method=uniform, num_layers=1), "
-                    "actor.optimizer_offload.fraction, lower actor.batching.micro_batch_tokens, or use "
-                    "more GPUs (pp, ep)",
-    "critic_update": "set critic.recompute (granularity=full, method=uniform, num_layers=1), "
-                     "critic.optimizer_offload.fraction, lower critic.batching.micro_batch_tokens, or "
-                     "use more GPUs (pp, ep)",
-    "hf_export": "lower layout.sync_bucket_mb, or set optimizer_offload.fraction",
+    "engine_start": ("lower_engine", "rollout_tp"),
+    "engine_kv_cache": ("raise_engine", "rollout_tp"),  # vLLM's share holds its weights and no KV cache
+    "sync": ("bucket", "offload_params", "rollout_tp"),
+    "generation": ("offload_params", "lower_engine"),
+    "old_logprobs": ("actor_micro_batch", "actor_offload", "more_gpus"),
+    "ref_logprobs": ("actor_micro_batch", "actor_offload", "more_gpus"),
+    "values": ("critic_micro_batch", "critic_offload", "more_gpus"),
+    "actor_update": ("actor_recompute", "actor_offload", "actor_micro_batch", "more_gpus"),
+    "critic_update": ("critic_recompute", "critic_offload", "critic_micro_batch", "more_gpus"),
+    "hf_export": ("bucket", "actor_offload"),
 }
-KNOBS["engine_kv_cache"] = ("the engine's weights fill its share of the GPU, leaving no KV cache: raise "
-                             "generation.gpu_memory_utilization or layout.rollout_tp")
-KNOBS["ref_logprobs"] = KNOBS["old_logprobs"].format(role="actor")
-KNOBS["values"] = KNOBS["old_logprobs"].format(role="critic")
-KNOBS["old_logprobs"] = KNOBS["old_logprobs"].format(role="actor")
+MOST_RECOMPUTE = RecomputeConfig("full", "uniform", 1)
+
+
+def knob_advice(request: MemoryRequest) -> Dict[str, Optional[str]]:
+    """Pure: each knob's advice for `request`; None where the run has set it as far as it goes
+    (offload_params already true, recompute already full at one layer a unit, all of Adam's state
+    already on the host, engines already as wide as the world)."""
+    advice = {
+        "lower_engine": "lower generation.gpu_memory_utilization",
+        "raise_engine": "raise generation.gpu_memory_utilization",
+        "rollout_tp": None if request.rollout.tp >= request.dims.world_size
+        else "raise layout.rollout_tp (fewer engine weights per GPU)",
+        "bucket": "lower layout.sync_bucket_mb",
+        "offload_params": None if request.offload_params else "set offload_params=true",
+        "more_gpus": "use more GPUs (pp, ep)",
+    }
+    for role in ("actor", "critic"):
+        model = getattr(request, role)
+        fraction = model.offload.fraction if model is not None else 0.0
+        advice[f"{role}_offload"] = None if fraction >= 1.0 else \
+            f"raise {role}.optimizer_offload.fraction (now {fraction})" if fraction else \
+            f"set {role}.optimizer_offload.fraction"
+        advice[f"{role}_recompute"] = None if model is not None and model.recompute == MOST_RECOMPUTE \
+            else f"set {role}.recompute (granularity=full, method=uniform, num_layers=1)"
+        advice[f"{role}_micro_batch"] = f"lower {role}.batching.micro_batch_tokens"
+    return advice
+
+
+def knobs(request: MemoryRequest, phase: str) -> str:
+    """The knobs left to try for `phase` (KNOBS, less what the run has already set), as a sentence."""
+    advice = knob_advice(request)
+    left = [advice[k] for k in KNOBS[phase] if advice[k] is not None]
+    return left[0] if len(left) == 1 else ", ".join(left[:-1]) + ", or " + left[-1]
 
 
 def summary(request: MemoryRequest, stages: List[StagePlan]) -> dict:
@@ -252,9 +332,9 @@ def summary(request: MemoryRequest, stages: List[StagePlan]) -> dict:
     # vLLM's share must hold its weights and leave room for a KV cache, else it refuses to start.
     kv_cache = terms["engine"] - terms["engine_weights"] if request.gpu and request.colocated else None
     fits = peak <= request.device_bytes
-    knobs = KNOBS[binding_phase]
+    advice = knobs(request, binding_phase)
     if kv_cache is not None and kv_cache <= 0:
-        fits, binding_phase, knobs = False, "engine_start", KNOBS["engine_kv_cache"]
+        fits, binding_phase, advice = False, "engine_start", knobs(request, "engine_kv_cache")
     return {
         "fits": fits,
         "peak_gb_per_gpu": round(peak / GB, 3),
@@ -263,7 +343,7 @@ def summary(request: MemoryRequest, stages: List[StagePlan]) -> dict:
         "headroom_fraction": round(1 - peak / request.device_bytes, 4),
         "binding_phase": binding_phase,
         "binding_stage": binding.stage,
-        "knobs": knobs,
+        "knobs": advice,
         "engine_kv_cache_gb": None if kv_cache is None else round(kv_cache / GB, 3),
         "device_gb": round(request.device_bytes / GB, 3),
         "terms_gb": {k: round(v / GB, 3) for k, v in binding.terms.items()},
@@ -272,6 +352,8 @@ def summary(request: MemoryRequest, stages: List[StagePlan]) -> dict:
         "train": request.dims.describe(),
         "rollout": {"tp": request.rollout.tp, "ep": request.rollout.ep},
         "gpu_path": request.gpu,
+        "transformer_engine": request.uses_te,
+        "adam": request.adam_kind,
     }
 
 
@@ -287,10 +369,23 @@ def refusal(verdict: dict) -> str:
             "prints every phase)")
 
 
+def run_kernels(te_setting) -> Tuple[bool, str]:
+    """(Transformer Engine's layer spec, the Adam Megatron builds) a GPU run's plan counts: on a
+    GPU what this process uses (device_choice.uses_transformer_engine, optimizer.built_adam);
+    elsewhere, planning a GPU run from another machine, the run's model.transformer_engine (auto:
+    TE, which a GPU node that has it takes; the run's own preflight plans again on its node) with
+    TE's FusedAdam, or the portable spec with torch's AdamW."""
+    if device_choice.on_gpu():
+        return device_choice.uses_transformer_engine(), built_adam()
+    use_te = device_choice.te_setting(te_setting, device_choice.TE_KEY) != "false"
+    return use_te, "te" if use_te else "torch"
+
+
 def request_for_run(config, arch: ModelArch, dims: ParallelDims, device_bytes: float, gpu: bool,
                     runtime_bytes: float, reward_models: Tuple[ModelArch, ...] = ()) -> MemoryRequest:
     """The plan's request for a RunConfig (the preflight's), micro-batches as its batching packs
-    them with every sequence at the longest the run allows."""
+    them with every sequence at the longest the run allows, with the layer spec and Adam the run
+    builds (run_kernels; the CPU path: the portable spec and torch's AdamW)."""
     longest = config.data.max_prompt_len + config.generation.max_new_tokens
     sequences = config.data.prompts_per_step * config.generation.samples_per_prompt
 
@@ -299,15 +394,17 @@ def request_for_run(config, arch: ModelArch, dims: ParallelDims, device_bytes: f
         tokens = micro_batch_tokens(batching.micro_batch_tokens, batching.micro_batches, sequences,
                                     longest, dims)
         return TrainedModel(tokens, role.recompute, role.optimizer_offload,
-                            role.optim.use_distributed_optimizer)
+                            role.optim.use_distributed_optimizer, clip=role.optim.clip_grad > 0)
 
     layout = config.layout
+    use_te, adam = run_kernels(config.model.transformer_engine) if gpu else (False, "torch")
     return MemoryRequest(
         arch=arch, dims=dims, rollout=RolloutLayout(layout.rollout_tp, layout.rollout_ep),
         device_bytes=device_bytes, actor=trained(config.actor),
         critic=trained(config.critic) if config.algo.uses_critic else None,
         reference=bool(config.actor.kl_loss_coeff or config.algo.kl_reward_coeff),
-        gpus_per_node=math.gcd(dims.world_size, 8), gpu=gpu, offload_params=config.offload_params,
+        gpus_per_node=math.gcd(dims.world_size, 8), gpu=gpu, transformer_engine=use_te, adam=adam,
+        offload_params=config.offload_params,
         engine_fraction=config.generation.gpu_memory_utilization,
         kv_cache_bytes=config.generation.kv_cache_gib * 2**30,
         bucket_bytes=layout.sync_bucket_mb * 2**20, export_hf=config.checkpoint.export_hf,

@@ -101,8 +101,11 @@ def preflight(config: RunConfig) -> ParallelDims:
 
 def _check_memory(config: RunConfig, arch: ModelArch, dims: ParallelDims) -> None:
     """A GPU run's memory plan (trainer/memory_plan.py) against layout.gpu_memory_gb, or this
-    machine's GPU: refused, naming the phase that does not fit and the knobs that would make it
-    fit. CPU runs are not planned (nothing to size them against but the host's RAM)."""
+    machine's GPU: refused, naming the phase that does not fit and the knobs left that would make
+    it fit. Planned with the attention of the layer spec the run takes and the Adam Megatron builds
+    (memory_plan.run_kernels: on a GPU this machine's; planned from elsewhere, the config's
+    model.transformer_engine). CPU runs are not planned (nothing to size them against but the
+    host's RAM)."""
     gpu_gb = config.layout.gpu_memory_gb
     if gpu_gb is None:
         if not device_choice.on_gpu():
