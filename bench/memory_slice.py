@@ -2,7 +2,8 @@
 scripts/plan_memory.py and the preflight use) against the measured peak of each phase of a real
 actor step, on a few-layer slice of a published model, at world 1.
 
-  python bench/memory_slice.py --model qwen3-30b-a3b|deepseek-v3 --widths real|tiny
+  python bench/memory_slice.py --model qwen3-30b-a3b|deepseek-v3 --widths real|tiny \
+      [--vocab V] [--batch SEQUENCES,LENGTH,MICRO_BATCH_TOKENS]
   python bench/memory_slice.py --replay docs/gpu/h200_2026-11-28.json   # no run: today's plan
                                                                         # against a GPU's record
 
@@ -10,20 +11,24 @@ The slice: docs/configs/<model>.json with fewer layers (DeepSeek-V3: one dense l
 layers; 16 of its 256 routed experts, the share of an EP16 rank, since its 11 B parameters per MoE
 layer do not fit one GPU with their Adam state; no MTP layer). `real`: the published widths,
 vocabulary and bf16, for a GPU. `tiny`: the tiny test model's widths (megarl/demo/tiny_checkpoint.py)
-with a 64K vocabulary in fp32, the CPU counterpart (bench/bench_memory.py's phase check: state and
+with a 32K vocabulary in fp32, the CPU counterpart (bench/bench_memory.py's phase check: state and
 logits that dwarf what the process holds besides them). Measured: bench/memory_phases.py's
 measure() (the second of two steps; GPU: the allocator's peak, torch.cuda.max_memory_allocated
 after reset_peak_memory_stats; CPU: the resident set's high-water mark), each phase's peak above
 the memory in use before the model was built. The plan is of what the worker builds here: the
 layer spec this process takes (device_choice.uses_transformer_engine; the GPU check runs the
 portable one) and the Adam Megatron builds here (optimizer.built_adam: without Transformer Engine
-or Apex torch's AdamW, multi-tensor on CUDA), both named in the output. Prints one JSON object.
---replay FILE plans the slices of a GPU's record (megarl/trainer/memory_record.py) instead.
+or Apex torch's AdamW, multi-tensor on CUDA), both named in the output, with the planned update's
+parts: the state, the backward's transients and the optimizer step's (the update peaks at the state
+plus the larger of the two). Prints one JSON object. --vocab and --batch change the slice (a step
+that outweighs the backward: --widths tiny --vocab 262144 --batch 2,64,128). --replay FILE plans the
+slices of a GPU's record (megarl/trainer/memory_record.py) instead.
 """
 
 import argparse
 import json
 import os
+from typing import Tuple
 
 import torch
 from memory_phases import full_batch, measure  # bench/ is the script's directory
@@ -74,15 +79,21 @@ def ran_here() -> dict:
             "optimizer": kind, "layer_spec": "Transformer Engine's" if use_te else "portable"}
 
 
-def planned(arch, dims: ParallelDims, budget: int, ran: dict) -> dict:
+def planned(arch, dims: ParallelDims, budget: int, ran: dict) -> Tuple[dict, dict]:
     """The plan's peaks of the phases measured, for what the worker runs (`ran`): the actor alone,
-    no engine (colocated=False), nothing else on the rank."""
+    no engine (colocated=False), nothing else on the rank; and the update's parts (bytes): the
+    state it holds, its backward's transients and its optimizer step's (the larger of the two is
+    its peak over the state)."""
     request = mp.MemoryRequest(arch=arch, dims=dims, rollout=RolloutLayout(1), device_bytes=float("inf"),
                                actor=mp.TrainedModel(budget), gpu=ran["device"] == "cuda",
                                transformer_engine=ran["transformer_engine"], adam=ran["adam"],
                                colocated=False)
     stage = mp.plan_memory(request)[0]
-    return {phase: stage.phases[phase] for phase in PHASES}
+    t = stage.terms
+    parts = {"state": t["actor_params"] + t["actor_grads"] + t["actor_optimizer"],
+             "backward": t["actor_activations"] + t["actor_logits"] + t["actor_logprob_train"],
+             "step": t["actor_step"]}
+    return {phase: stage.phases[phase] for phase in PHASES}, parts
 
 
 def replay(path: str) -> dict:
@@ -98,6 +109,9 @@ def main():
     parser.add_argument("--model", choices=sorted(SLICES))
     parser.add_argument("--widths", choices=("real", "tiny"))
     parser.add_argument("--replay", metavar="FILE", help="a GPU's record (docs/gpu/): plan, run nothing")
+    parser.add_argument("--vocab", type=int, help="another vocabulary size (the slice's by default)")
+    parser.add_argument("--batch", metavar="SEQUENCES,LENGTH,MICRO_BATCH_TOKENS",
+                        help="another batch (the slice's by default)")
     args = parser.parse_args()
     if args.replay:
         print(json.dumps(replay(args.replay)), flush=True)
@@ -107,11 +121,15 @@ def main():
     if not device_choice.on_gpu():
         torch.set_num_threads(1)  # a 2-core machine
     config = slice_config(args.model, args.widths)
+    if args.vocab:
+        config["vocab_size"] = args.vocab
     arch = arch_from_hf_config(config)
     sequences, length, budget = SLICES[args.model][2][args.widths]
+    if args.batch:
+        sequences, length, budget = (int(n) for n in args.batch.split(","))
     dims = ParallelDims(world_size=1)
     ran = ran_here()
-    plan = planned(arch, dims, budget, ran)  # before any process group: the plan builds on the meta device
+    plan, parts = planned(arch, dims, budget, ran)  # before any process group: the plan builds on meta
     measured = measure(arch, dims, full_batch(arch.vocab_size, sequences, length), budget)
     megatron_groups.destroy()
     phases = {phase: {"planned_gb": round(plan[phase] / 1e9, 3),
@@ -125,6 +143,7 @@ def main():
         "sequences": sequences, "length": length, "micro_batch_tokens": budget,
         "measured_by": "torch.cuda.max_memory_allocated" if device_choice.on_gpu()
         else "VmHWM (the resident set)", "ran": ran,
+        "planned_update_parts_gb": {k: round(v / 1e9, 3) for k, v in parts.items()},
         "phases": phases, "worst_error": worst, "bound": BOUND, "within_bound": worst <= BOUND}), flush=True)
 
 
