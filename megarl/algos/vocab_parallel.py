@@ -204,9 +204,11 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         logits, local, stats = ctx.saved_tensors
         real, kernels, entropy_grad, chunk_tokens = ctx.args
         shift, log_z, mean_s, _ = stats.unbind(-1)
-        g_h = grad_entropy.to(stats.dtype) if entropy_grad else None
-        grad = kernels.gradient(logits, local, real, shift, log_z, mean_s, grad_logprob.to(stats.dtype),
-                                g_h, chunk_tokens)
+        # contiguous: a loss like lp.sum() hands back an expanded (stride 0) gradient, which the
+        # compiled kernel would be built again for
+        g_h = grad_entropy.to(stats.dtype).contiguous() if entropy_grad else None
+        grad = kernels.gradient(logits, local, real, shift, log_z, mean_s,
+                                grad_logprob.to(stats.dtype).contiguous(), g_h, chunk_tokens)
         return grad, None, None, None, None, None, None
 
 
