@@ -21,8 +21,9 @@ portable one) and the Adam Megatron builds here (optimizer.built_adam: without T
 or Apex torch's AdamW, multi-tensor on CUDA), both named in the output, with the planned update's
 parts: the state, the backward's transients and the optimizer step's (the update peaks at the state
 plus the larger of the two). Prints one JSON object. --vocab and --batch change the slice (a step
-that outweighs the backward: --widths tiny --vocab 262144 --batch 2,64,128). --replay FILE plans the
-slices of a GPU's record (megarl/trainer/memory_record.py) instead.
+that outweighs the backward: --widths tiny --vocab 262144 --batch 2,64,128). --plan-only DEVICE plans
+the slice as the GPU check runs it there and runs nothing; --replay FILE plans the slices of a GPU's
+record (megarl/trainer/memory_record.py) instead.
 """
 
 import argparse
@@ -109,6 +110,9 @@ def main():
     parser.add_argument("--model", choices=sorted(SLICES))
     parser.add_argument("--widths", choices=("real", "tiny"))
     parser.add_argument("--replay", metavar="FILE", help="a GPU's record (docs/gpu/): plan, run nothing")
+    parser.add_argument("--plan-only", choices=("cuda", "cpu"),
+                        help="plan, run nothing: as the GPU check runs the slice on that device without "
+                        "Transformer Engine or Apex (the portable attention, torch's AdamW)")
     parser.add_argument("--vocab", type=int, help="another vocabulary size (the slice's by default)")
     parser.add_argument("--batch", metavar="SEQUENCES,LENGTH,MICRO_BATCH_TOKENS",
                         help="another batch (the slice's by default)")
@@ -128,8 +132,16 @@ def main():
     if args.batch:
         sequences, length, budget = (int(n) for n in args.batch.split(","))
     dims = ParallelDims(world_size=1)
-    ran = ran_here()
+    ran = ran_here() if not args.plan_only else \
+        {"device": args.plan_only, "transformer_engine": False, "adam": "torch", "layer_spec": "portable",
+         "optimizer": f"torch's AdamW, {'multi-tensor' if args.plan_only == 'cuda' else 'per tensor'}"}
     plan, parts = planned(arch, dims, budget, ran)  # before any process group: the plan builds on meta
+    if args.plan_only:
+        print(json.dumps({"model": args.model, "widths": args.widths, "ran": ran, "sequences": sequences,
+                          "length": length, "micro_batch_tokens": budget,
+                          "planned_gb": {p: round(v / 1e9, 3) for p, v in plan.items()},
+                          "planned_update_parts_gb": {k: round(v / 1e9, 3) for k, v in parts.items()}}))
+        return
     measured = measure(arch, dims, full_batch(arch.vocab_size, sequences, length), budget)
     megatron_groups.destroy()
     phases = {phase: {"planned_gb": round(plan[phase] / 1e9, 3),
