@@ -44,7 +44,10 @@ from megarl.trainer import memory_plan as mp
 from megarl.trainer import memory_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BOUND = 0.15  # |planned - measured| <= 15% of measured, every phase (bench_memory.py's PHASE_BOUND)
+# |planned - measured| <= this share of measured, every phase: on a GPU issue 48's bar (the
+# allocator's own peak); on a CPU the resident set also counts glibc's free lists (bench_memory.py's
+# PHASE_BOUND)
+BOUND = {"cuda": 0.10, "cpu": 0.15}
 PHASES = ("old_logprobs", "actor_update")
 # name -> (tiny family, slice fields, {widths: (sequences, length, micro-batch tokens)}). Real
 # widths: micro-batches of 8K / 4K tokens, two per step; updates planned at 68.5 GB and 94.8 GB on
@@ -149,6 +152,7 @@ def main():
                       "error": round((plan[phase] - measured[phase]) / measured[phase], 4)}
               for phase in PHASES}
     worst = max(abs(p["error"]) for p in phases.values())
+    bound = BOUND["cuda" if device_choice.on_gpu() else "cpu"]
     print(json.dumps({
         "model": args.model, "widths": args.widths, "dtype": arch.dtype, "layers": arch.num_layers,
         "hidden": arch.hidden_size, "experts": arch.num_experts, "vocab": arch.vocab_size,
@@ -156,7 +160,7 @@ def main():
         "measured_by": "torch.cuda.max_memory_allocated" if device_choice.on_gpu()
         else "VmHWM (the resident set)", "ran": ran,
         "planned_update_parts_gb": {k: round(v / 1e9, 3) for k, v in parts.items()},
-        "phases": phases, "worst_error": worst, "bound": BOUND, "within_bound": worst <= BOUND}), flush=True)
+        "phases": phases, "worst_error": worst, "bound": bound, "within_bound": worst <= bound}), flush=True)
 
 
 if __name__ == "__main__":

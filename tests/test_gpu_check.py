@@ -45,7 +45,7 @@ def test_check_on_cpu_runs_every_step_and_every_check_holds(tmp_path):
         for phase in ("old_logprobs", "actor_update"):
             numbers = memory["phases"][phase]
             assert numbers["measured_gb"] > 0.1 and numbers["planned_gb"] > 0.1, memory
-            assert abs(numbers["error"]) <= memory["bound"] == 0.15, memory
+            assert abs(numbers["error"]) <= memory["bound"] == 0.15, memory  # the CPU's bound (GPU: 0.10)
 
     for kind, family in (("dense", "qwen3"), ("moe", "qwen3_moe")):
         cases = {r["case"]: r for r in steps[f"bench_train_{kind}"]["results"]}
