@@ -88,11 +88,11 @@ DEMO := runs/demo_conversion
 demo-conversion: install
 	rm -rf $(DEMO) && mkdir -p $(DEMO)
 	$(BIN)/python scripts/make_tiny_model.py --model qwen3_moe --out $(DEMO)/hf
-	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/convert_hf_to_megatron.py \
+	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/convert.py hf-to-megatron \
 		--hf-dir $(DEMO)/hf --out $(DEMO)/megatron
 	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/verify_conversion.py \
 		--hf-dir $(DEMO)/hf --megatron-dir $(DEMO)/megatron --tp 2 --ep 2 --etp 1 --grads
-	$(BIN)/python scripts/convert_megatron_to_hf.py --megatron-dir $(DEMO)/megatron --out $(DEMO)/hf_export
+	$(BIN)/python scripts/convert.py megatron-to-hf --megatron-dir $(DEMO)/megatron --out $(DEMO)/hf_export
 	$(BIN)/python scripts/compare_hf_checkpoints.py $(DEMO)/hf $(DEMO)/hf_export
 	$(BIN)/torchrun --standalone --nproc-per-node 2 scripts/verify_sync.py \
 		--hf-dir $(DEMO)/hf --tp 2 --ep 2 --etp 1 --rollout-tp 2 --perturb 0.05

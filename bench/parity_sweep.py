@@ -4,7 +4,7 @@ process (a launch costs more than a tiny family's check).
   python bench/parity_sweep.py --dtypes float32,bfloat16 --work DIR [--families qwen3,qwen3_moe]
 
 Per dtype and family: a tiny random HF checkpoint (scripts/make_tiny_model.py's, stored in that dtype),
-converted by scripts/convert_hf_to_megatron.py's function and checked by
+converted by the function scripts/convert.py hf-to-megatron runs and checked by
 scripts/verify_conversion.py's (log-probs, loss and every gradient against HF transformers, which
 runs the same weights in fp32). One JSON line per family: the check's summary, two spreads over
 all tokens and all gradients (below), the tolerance it is held to and whether it held, or its error;

@@ -5,7 +5,7 @@
   python scripts/evaluate.py --model RUN/hf --run-dir RUN --set NAME
 
 --model: an HF checkpoint (a run's exported RUN/hf among them) or a megarl Megatron checkpoint
-(RUN/checkpoints/step_NNNNNN, or scripts/convert_hf_to_megatron.py's output), converted to HF
+(RUN/checkpoints/step_NNNNNN, or scripts/convert.py hf-to-megatron's output), converted to HF
 first with the project's converter (under torchrun, over its ranks). --run-dir reads the run's
 config.json: set NAME's file, keys and reward, the eval.* settings, data.max_prompt_len, the seed
 and the producer, so the numbers are the ones the run logs for these weights in metrics.jsonl

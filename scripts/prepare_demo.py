@@ -56,8 +56,8 @@ def prepare(args) -> None:
     # warm start's world exported its rendezvous variables; its port may still be held.
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     if not args.hf_only:
-        converter = os.path.join(os.path.dirname(__file__), "convert_hf_to_megatron.py")
-        subprocess.run([sys.executable, converter, "--hf-dir", model_dir, "--out",
+        converter = os.path.join(os.path.dirname(__file__), "convert.py")
+        subprocess.run([sys.executable, converter, "hf-to-megatron", "--hf-dir", model_dir, "--out",
                         os.path.join(args.out, "megatron")],
                        check=True, stdout=sys.stderr,
                        env={k: v for k, v in os.environ.items() if k not in launcher})

@@ -40,7 +40,7 @@ TIERS = {
     "test_checkpoint_files": (DISTRIBUTED, {"test_missing_and_truncated_hf_shards": UNIT}),
     "test_collective_timeout": DISTRIBUTED,
     "test_config_keys": UNIT,
-    "test_conversion": DISTRIBUTED,
+    "test_conversion": (DISTRIBUTED, {"test_converter_names_its_directions": UNIT}),
     "test_conversion_fuzz": (DISTRIBUTED, {"test_ci_seeds_cover_mtp_states_and_uneven_stages": UNIT}),
     "test_cpu_compat": UNIT,
     "test_device_choice": UNIT,

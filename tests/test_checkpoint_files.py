@@ -64,11 +64,12 @@ def test_converters_refuse_broken_inputs(hf_models, megatron_models, tmp_path):
     outs = [tmp_path / name for name in ("out", "out_nowhere", "m")]
     # The three launches at once: each has one rank, and none reads what another writes.
     procs = finish(
-        start("scripts/convert_megatron_to_hf.py", "--megatron-dir", str(megatron), "--out", str(outs[0]),
-              check=False),
-        start("scripts/convert_megatron_to_hf.py", "--megatron-dir", str(tmp_path / "nowhere"), "--out",
+        start("scripts/convert.py", "megatron-to-hf", "--megatron-dir", str(megatron), "--out",
+              str(outs[0]), check=False),
+        start("scripts/convert.py", "megatron-to-hf", "--megatron-dir", str(tmp_path / "nowhere"), "--out",
               str(outs[1]), check=False),
-        start("scripts/convert_hf_to_megatron.py", "--hf-dir", str(hf), "--out", str(outs[2]), check=False))
+        start("scripts/convert.py", "hf-to-megatron", "--hf-dir", str(hf), "--out", str(outs[2]),
+              check=False))
     said = [f"shard {shard} has", "megarl_model.json is missing", "not a readable safetensors file"]
     for proc, message in zip(procs, said):
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]

@@ -3,14 +3,16 @@ on one rank and on two; the exported checkpoint loads in transformers; bad input
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from tests.conftest import MODELS
-from tests.launch import finish, last_json, load_script, run, start
+from tests.launch import ROOT, finish, last_json, load_script, run, start
 
-# Exported by scripts/convert_megatron_to_hf.py itself, one per world size; the others by its
+# Exported by scripts/convert.py megatron-to-hf itself, one per world size; the others by its
 # function, one launch per world size (tests/workers/convert_models.py: a launch costs more here
 # than a tiny conversion). The export's world is the opposite of the import side's, mostly.
 BY_THE_SCRIPT = {"qwen3_moe": 1, "glm4_moe": 2}
@@ -27,7 +29,7 @@ def exported(megatron_models, tmp_path_factory):
     for model in MODELS:
         nproc = 1 if model in ("qwen3_moe", "llama") else 2
         if model in BY_THE_SCRIPT:
-            launches.append(start("scripts/convert_megatron_to_hf.py", "--megatron-dir",
+            launches.append(start("scripts/convert.py", "megatron-to-hf", "--megatron-dir",
                                   megatron_models[model], "--out", out[model], nproc=BY_THE_SCRIPT[model]))
         else:
             batched[nproc].append(["megatron_to_hf", megatron_models[model], out[model]])
@@ -63,8 +65,27 @@ def test_exported_checkpoint_loads_in_transformers(model, hf_models, exported):
     assert torch.equal(logits[0], logits[1])
 
 
+def test_converter_names_its_directions():
+    """scripts/convert.py's first argument is the direction: its --help says what each does, and a
+    missing or unknown one is refused naming both (before torch loads: a quick failure under
+    torchrun or sbatch)."""
+    def convert(*args):  # a fresh interpreter, as a user's (the test's zygote has torch loaded)
+        return subprocess.run([sys.executable, "scripts/convert.py", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+
+    helped = convert("--help")
+    assert "hf-to-megatron  an HF checkpoint" in helped.stdout
+    assert "megatron-to-hf  a megarl Megatron checkpoint" in helped.stdout
+    for args in ([], ["hf_to_megatron", "--hf-dir", "x", "--out", "y"]):
+        proc = convert(*args)
+        assert proc.returncode == 2, proc.stderr
+        assert "hf-to-megatron" in proc.stderr and "megatron-to-hf" in proc.stderr, proc.stderr
+    proc = convert("megatron-to-hf", "--hf-dir", "x", "--out", "y")
+    assert proc.returncode == 2 and "required: --megatron-dir" in proc.stderr, proc.stderr
+
+
 def test_converter_refuses_existing_output(hf_models, megatron_models):
-    proc = run("scripts/convert_hf_to_megatron.py", "--hf-dir", hf_models["llama"],
+    proc = run("scripts/convert.py", "hf-to-megatron", "--hf-dir", hf_models["llama"],
                "--out", megatron_models["llama"], check=False)
     assert proc.returncode != 0
     assert "already exists" in proc.stderr
@@ -80,7 +101,7 @@ def test_converter_refuses_unknown_tensors(hf_models, tmp_path):
     tensors = load_file(str(bad / "model.safetensors"))
     tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    proc = run("scripts/convert_hf_to_megatron.py", "--hf-dir", str(bad),
+    proc = run("scripts/convert.py", "hf-to-megatron", "--hf-dir", str(bad),
                "--out", str(tmp_path / "out"), check=False)
     assert proc.returncode != 0
     assert "model.layers.0.mlp.extra_proj.weight" in proc.stderr
@@ -96,7 +117,7 @@ def test_verify_conversion_cli_prints_layout_and_diff(hf_models, megatron_models
 
 
 def test_each_rank_reads_only_its_share(hf_models, tmp_path):
-    result = last_json(run("scripts/convert_hf_to_megatron.py", "--hf-dir", hf_models["mixtral"],
+    result = last_json(run("scripts/convert.py", "hf-to-megatron", "--hf-dir", hf_models["mixtral"],
                            "--out", str(tmp_path / "m"), nproc=2))
     reads = result["hf_tensors_read_per_rank"]
     assert result["layout"]["pp"] == 2

@@ -44,10 +44,10 @@ def _sbatch(env, log, script, *args, timeout=900):
 def test_conversion_and_training_jobs(slurm, demo_inputs, tmp_path):
     megatron, back = tmp_path / "megatron", tmp_path / "hf_again"
     rc, out = _sbatch(slurm, tmp_path / "to_megatron.out", "scripts/slurm/convert.sbatch",
-                      "hf_to_megatron", "--hf-dir", str(demo_inputs / "model"), "--out", str(megatron))
+                      "hf-to-megatron", "--hf-dir", str(demo_inputs / "model"), "--out", str(megatron))
     assert rc == 0, out[-6000:]
     rc, out = _sbatch(slurm, tmp_path / "to_hf.out", "scripts/slurm/convert.sbatch",
-                      "megatron_to_hf", "--megatron-dir", str(megatron), "--out", str(back))
+                      "megatron-to-hf", "--megatron-dir", str(megatron), "--out", str(back))
     assert rc == 0, out[-6000:]
     run("scripts/compare_hf_checkpoints.py", str(demo_inputs / "model"), str(back))
 

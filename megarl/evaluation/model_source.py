@@ -1,6 +1,6 @@
 """Which model a folder holds, for the standalone evaluator (scripts/evaluate.py): an HF checkpoint
 (a run's exported run_dir/hf among them), or a megarl Megatron checkpoint (a trainer checkpoint
-run_dir/checkpoints/step_NNNNNN, whose actor/ is evaluated, or scripts/convert_hf_to_megatron.py's
+run_dir/checkpoints/step_NNNNNN, whose actor/ is evaluated, or scripts/convert.py hf-to-megatron's
 output), converted to HF before vLLM loads it; and where the model's tokenizer is. Decided from
 the files alone, before any process group or engine exists."""
 
@@ -16,7 +16,7 @@ HF, MEGATRON = "hf", "megatron"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _WEIGHTS = (".safetensors", ".bin")
 _ACCEPTED = ("an HF checkpoint (config.json and *.safetensors: a run's RUN/hf among them) or a megarl "
-             "Megatron checkpoint (RUN/checkpoints/step_NNNNNN, or scripts/convert_hf_to_megatron.py's "
+             "Megatron checkpoint (RUN/checkpoints/step_NNNNNN, or scripts/convert.py hf-to-megatron's "
              f"output, holding {MODEL_FILE})")
 
 

@@ -57,7 +57,7 @@ def read_model_file(ckpt_dir: str) -> Dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{ckpt_dir!r} is not a megarl Megatron checkpoint: {MODEL_FILE} is missing; create "
-            f"one with scripts/convert_hf_to_megatron.py"
+            f"one with scripts/convert.py hf-to-megatron"
         )
     with open(path) as f:
         return json.load(f)
@@ -123,7 +123,7 @@ def drop_absent_extra_state(requested: Iterable[str], stored: Iterable[str], sou
         found = [f"it lacks the model's {_some(lacking)}"] if lacking else []
         found += [f"it holds {_some(unused)}, which the model does not have"] if unused else []
         raise ValueError(f"Megatron checkpoint {source!r} does not fit this model: {'; '.join(found)}; "
-                         "load a checkpoint of this model (scripts/convert_hf_to_megatron.py)")
+                         "load a checkpoint of this model (scripts/convert.py hf-to-megatron)")
     return requested & stored
 
 

@@ -1,10 +1,11 @@
 """HF checkpoint <-> Megatron distributed checkpoint, run on any number of ranks.
 
-Owns the two conversions behind scripts/convert_*.py. Both use ParallelDims.for_conversion: each
-rank is a pipeline stage (fewer layers on the first and last when the count does not split
-evenly), so each rank reads, holds and writes only its own layers (one HF tensor in flight at a
-time), and the written checkpoint loads at any layout. Each returns its `notes`: what it carried
-as absent (MTP weights a config declares and the checkpoint lacks: mtp_weights.py).
+Owns the two conversions behind scripts/convert.py's two directions. Both use
+ParallelDims.for_conversion: each rank is a pipeline stage (fewer layers on the first and last when
+the count does not split evenly), so each rank reads, holds and writes only its own layers (one HF
+tensor in flight at a time), and the written checkpoint loads at any layout. Each returns its
+`notes`: what it carried as absent (MTP weights a config declares and the checkpoint lacks:
+mtp_weights.py).
 """
 
 import json

@@ -2,7 +2,7 @@
 
 Owns the on-disk layout of `run_dir/checkpoints/step_NNNNNN/`:
     actor/, critic/         Megatron distributed checkpoints of the weights (megarl.models.checkpoint:
-                            load at any layout, convert to HF with scripts/convert_megatron_to_hf.py)
+                            load at any layout, convert to HF with scripts/convert.py megatron-to-hf)
     train_state/rank_R.pt   this rank's optimizer states and main parameters, LR schedules and RNG
                             states (bit-exact resume needs the same layout: checked at load)
     trainer.json            step, layout, model config and prompt-sampler position; written last

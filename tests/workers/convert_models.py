@@ -1,6 +1,6 @@
-"""torchrun worker: the converter scripts' own conversions (scripts/convert_hf_to_megatron.py,
-scripts/convert_megatron_to_hf.py) and the run's live HF export for several checkpoints in one
-launch: starting a launch costs more here than converting a tiny model. Rank 0 prints each job's
+"""torchrun worker: the converter script's own conversions (scripts/convert.py hf-to-megatron and
+megatron-to-hf) and the run's live HF export for several checkpoints in one launch: starting a
+launch costs more here than converting a tiny model. Rank 0 prints each job's
 line before it runs, so a failure's output names the job, and its notes after it.
 
   python tests/workers/convert_models.py --jobs '[["hf_to_megatron", IN, OUT], ...]'

@@ -1,5 +1,5 @@
 """Worker: the HF -> Megatron converter (megarl.models.convert.hf_to_megatron, what
-scripts/convert_hf_to_megatron.py runs under torchrun) on ranks made to choose their layer specs
+scripts/convert.py hf-to-megatron runs under torchrun) on ranks made to choose their layer specs
 differently, to see it refused where the ranks' world starts, before any model is built.
 
 --rank-env sets variables on some ranks only (MEGARL_TRANSFORMER_ENGINE differing per rank).
