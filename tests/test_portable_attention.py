@@ -1,6 +1,8 @@
 """The portable spec's packed (thd) attention: sequences of one length batched into one call give,
 bit for bit, what one call per sequence gives (the rows of a batched call are computed as their
-own calls compute them), and both equal a plain softmax reference, forward and backward."""
+own calls compute them), and both equal a plain softmax reference, forward and backward. Bit for
+bit on one thread: with two, the CPU's batched matmuls split their sums by the batch's shape (seed
+2 then differs in the last bit)."""
 
 import math
 import types
@@ -12,6 +14,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megarl.models.portable_layers import PortableCoreAttention
 
 F = torch.nn.functional
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _attention(heads, groups, kv_channels):
