@@ -1,11 +1,15 @@
 """Check a Megatron checkpoint against HF transformers at a chosen parallel layout.
 
   torchrun --nproc-per-node N scripts/verify_conversion.py --hf-dir IN --megatron-dir M \\
-      --tp A --pp B --ep C --cp D [--etp E] [--vpp V] [--grads] [--dump FILE]
+      --tp A --pp B --ep C --cp D [--etp E] [--vpp V] [--first-stage-layers F] \\
+      [--last-stage-layers L] [--grads] [--dump FILE]
 
 Loads M at the layout, runs the actor's forward (and with --grads its backward) on fixed token
 batches, and compares next-token log-probs, loss and full-parameter gradients with an HF
-transformers forward and backward of IN. The last line printed is one JSON object.
+transformers forward and backward of IN. A layer count --pp does not divide is split as the
+converter splits it (the first and last stage fewer), unless --first/--last-stage-layers say how,
+as a run's layout does (megarl/checks/layout_flags.py). The last line printed is one JSON object;
+its `layout` names the stages' sizes when they are uneven.
 """
 
 import argparse
@@ -15,18 +19,15 @@ import sys
 import torch
 
 from megarl.checks import parity
+from megarl.checks.layout_flags import add_layout_flags, layout
 from megarl.parallel_state import megatron_groups
-from megarl.parallel_state.dims import ParallelDims
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--megatron-dir", required=True)
-    for name in ("tp", "pp", "ep", "cp"):
-        parser.add_argument(f"--{name}", type=int, default=1)
-    parser.add_argument("--etp", type=int, default=None)
-    parser.add_argument("--vpp", type=int, default=None)
+    add_layout_flags(parser, context_parallel=True)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=2)
@@ -37,8 +38,7 @@ def main():
     args = parser.parse_args()
 
     world = megatron_groups.init_distributed()
-    dims = ParallelDims(world_size=world, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
-                        etp=args.etp, vpp=args.vpp)
+    dims = layout(args, world, parity.checkpoint_arch(args.megatron_dir).num_layers)
     megatron_groups.initialize(dims)
     summary, ours = parity.check_checkpoint(args.hf_dir, args.megatron_dir, dims, args.grads,
                                             args.batch, args.seq, args.micro_batches)

@@ -1,16 +1,18 @@
 """Verify a Megatron -> vLLM weight sync end to end at a chosen layout.
 
   torchrun --nproc-per-node N scripts/verify_sync.py --hf-dir IN --tp A --pp B --ep C \\
-      --rollout-tp R --perturb 0.01
+      [--first-stage-layers F] [--last-stage-layers L] --rollout-tp R --perturb 0.01
 
-Loads IN into the Megatron actor at the layout, perturbs it (as training would), generates with
-vLLM before and after syncing, and compares vLLM's sampled-token log-probs with the actor's
-teacher-forced log-probs; with --loader-parity, also the engine's tensors with those vLLM's own
-loaders make of the same weights. With --export DIR, it writes the perturbed actor as an HF
-checkpoint (DIR/hf) and the post-sync samples (DIR/samples.json): a vLLM engine started from
-DIR/hf with the same --prompts, --max-new-tokens and --seed must reproduce them (the sync adds
-nothing to the engine's own error; tests/test_weight_sync.py does so for MLA). The last line
-printed is one JSON object.
+Loads IN into the Megatron actor at the layout (a layer count --pp does not divide split as the
+converter splits it unless --first/--last-stage-layers say how: megarl/checks/layout_flags.py),
+perturbs it (as training would), generates with vLLM before and after syncing, and compares vLLM's
+sampled-token log-probs with the actor's teacher-forced log-probs; with --loader-parity, also the
+engine's tensors with those vLLM's own loaders make of the same weights. With --export DIR, it
+writes the perturbed actor as an HF checkpoint (DIR/hf) and the post-sync samples
+(DIR/samples.json): a vLLM engine started from DIR/hf with the same --prompts, --max-new-tokens and
+--seed must reproduce them (the sync adds nothing to the engine's own error;
+tests/test_weight_sync.py does so for MLA). The last line printed is one JSON object; its `layout`
+names the stages' sizes when they are uneven.
 """
 
 import argparse
@@ -21,6 +23,7 @@ import sys
 import torch
 
 from megarl.checks import weight_sync as verify
+from megarl.checks.layout_flags import add_layout_flags, layout
 from megarl.checks.loader_parity import loader_parity
 from megarl.models import peft_io
 from megarl.models.builder import build_model
@@ -28,7 +31,6 @@ from megarl.models.hf_config import load_arch
 from megarl.models.hf_io import load_hf_weights
 from megarl.models.lora import LoraConfig
 from megarl.parallel_state import megatron_groups
-from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import sync_weights
 from megarl.resharding.adapter_sync import push_weights
 from megarl.rollout import vllm_lora
@@ -60,10 +62,7 @@ def _across_push(chunks, arch, engine, prompts, sampling, args) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--hf-dir", required=True)
-    for name in ("tp", "pp", "ep"):
-        parser.add_argument(f"--{name}", type=int, default=1)
-    parser.add_argument("--etp", type=int, default=None)
-    parser.add_argument("--vpp", type=int, default=None)
+    add_layout_flags(parser, context_parallel=False)
     parser.add_argument("--rollout-tp", type=int, default=1)
     parser.add_argument("--rollout-ep", type=int, default=1,
                         help="1, or the rollout tp: experts split over each engine's ranks")
@@ -113,10 +112,9 @@ def main():
         parser.error("--adapters-only needs --lora-init PEFT_DIR: the adapters the sync sends")
 
     world = megatron_groups.init_distributed()
-    dims = ParallelDims(world_size=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
-                        vpp=args.vpp)
-    megatron_groups.initialize(dims, seed=args.seed)
     arch = load_arch(args.hf_dir, args.dtype)
+    dims = layout(args, world, arch.num_layers)
+    megatron_groups.initialize(dims, seed=args.seed)
     overrides = {"moe_router_dtype": None} if args.no_router_fp32 else {}
     chunks = build_model(arch, dims, perform_initialization=False, **overrides)
     load_hf_weights(chunks, arch, args.hf_dir)

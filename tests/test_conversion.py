@@ -12,6 +12,8 @@ import torch
 from tests.conftest import MODELS
 from tests.launch import ROOT, finish, last_json, load_script, run, start
 
+ODD = "deepseek_v3_3layers"  # conftest.ODD_LAYER_MODELS: PP2 splits its 3 layers 1 + 2
+
 # Exported by scripts/convert.py megatron-to-hf itself, one per world size; the others by its
 # function, one launch per world size (tests/workers/convert_models.py: a launch costs more here
 # than a tiny conversion). The export's world is the opposite of the import side's, mostly.
@@ -108,18 +110,37 @@ def test_converter_refuses_unknown_tensors(hf_models, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_verify_conversion_cli_prints_layout_and_diff(hf_models, megatron_models):
-    result = last_json(run("scripts/verify_conversion.py", "--hf-dir", hf_models["qwen3_moe"],
-                           "--megatron-dir", megatron_models["qwen3_moe"], "--tp", "2",
-                           "--ep", "2", "--etp", "1", nproc=2))
-    assert result["layout"]["tp"] == 2 and result["layout"]["ep"] == 2
-    assert result["max_abs_logprob_diff"] <= 1e-4
+@pytest.fixture(scope="module")
+def odd_converted(hf_models, tmp_path_factory):
+    """(Megatron dir, the script's JSON): the 3-layer tiny DeepSeek-V3 converted by scripts/convert.py
+    on two ranks, which no even split fits."""
+    out = str(tmp_path_factory.mktemp("odd") / "megatron")
+    return out, last_json(run("scripts/convert.py", "hf-to-megatron", "--hf-dir", hf_models[ODD],
+                              "--out", out, nproc=2))
 
 
-def test_each_rank_reads_only_its_share(hf_models, tmp_path):
-    result = last_json(run("scripts/convert.py", "hf-to-megatron", "--hf-dir", hf_models["mixtral"],
-                           "--out", str(tmp_path / "m"), nproc=2))
-    reads = result["hf_tensors_read_per_rank"]
-    assert result["layout"]["pp"] == 2
-    assert sum(reads) == result["hf_tensors_in_checkpoint"]  # every tensor read exactly once
-    assert max(reads) < 0.6 * result["hf_tensors_in_checkpoint"]
+def test_each_rank_reads_only_its_share(hf_models, odd_converted):
+    """Each rank reads the HF tensors of its own stage's layers, the first stage (embedding and
+    layer 0) being the smaller, and no other."""
+    from megarl.models.safetensors_reader import SafetensorsReader
+
+    _, result = odd_converted
+    assert (result["layout"]["pp"], result["layout"]["first_stage_layers"]) == (2, 1)
+    reader = SafetensorsReader(hf_models[ODD])
+    names = reader.names()
+    reader.close()
+    first = [n for n in names if n.startswith(("model.embed_tokens.", "model.layers.0."))]
+    assert result["hf_tensors_read_per_rank"] == [len(first), len(names) - len(first)]
+    assert result["hf_tensors_in_checkpoint"] == len(names)
+
+
+def test_verify_conversion_checks_at_the_converter_s_uneven_stages(hf_models, odd_converted):
+    """--pp 2 on 3 layers: verify_conversion splits them as the converter did (no flag needed;
+    issue 49), and the model's log-probs, loss and every gradient match HF transformers'."""
+    megatron, converted = odd_converted
+    result = last_json(run("scripts/verify_conversion.py", "--hf-dir", hf_models[ODD], "--megatron-dir",
+                           megatron, "--pp", "2", "--grads", nproc=2))
+    assert result["layout"] == converted["layout"], result
+    assert result["max_abs_logprob_diff"] <= 1e-4, result
+    assert result["loss_rel_diff"] <= 1e-5, result
+    assert result["max_grad_rel_diff"] <= 5e-5, result  # as tests/test_layout_parity.py holds them

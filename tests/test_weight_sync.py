@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.conftest import selected_params
+from tests.conftest import ODD_LAYER_MODELS, selected_params
 from tests.launch import in_background, kill_tree, last_json, run
 
 # The engine's synced tensors against vLLM's own loader's: exactly equal (dense models: on the
@@ -26,7 +26,10 @@ CASES = {
     "tp2_into_rollout_tp2_moe": (2, "glm4_moe", ["--tp", "2", "--rollout-tp", "2", "--routing",
                                                  "--push-after-steps", "3"]),
     "pp2_kv_heads_below_rollout_tp": (2, "qwen2_gqa1", ["--pp", "2", "--rollout-tp", "2", LOADER]),
-    "pp2_tied_into_rollout_tp1": (2, "llama_tied", ["--pp", "2", "--rollout-tp", "1", LOADER]),
+    # 3 layers: PP2 splits them as the converter does, 1 + 2 (issue 49); the tied embedding's two
+    # copies on the two stages
+    "pp2_odd_layers_tied_into_rollout_tp1": (2, "llama_tied_3layers", ["--pp", "2", "--rollout-tp", "1",
+                                                                       LOADER]),
     "ep2_into_rollout_tp2": (2, "mixtral", ["--ep", "2", "--rollout-tp", "2"]),
     "ep2_into_two_independent_engines": (2, "glm4_moe", ["--ep", "2", "--rollout-tp", "1"]),
     "tp2_ep2_etp1_small_buckets": (2, "qwen3_moe", ["--tp", "2", "--ep", "2", "--etp", "1",
@@ -59,6 +62,8 @@ def test_sync_makes_vllm_match_the_actor(case, syncs):
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["max_abs_logprob_diff_before_sync"] >= 0.05, result
     assert result["params_synced"] == result["params_expected"] > 0, result
+    if model in ODD_LAYER_MODELS:
+        assert result["layout"]["first_stage_layers"] == 1, result["layout"]
     if "--routing" in flags:
         # In fp32 the engine's routing, aligned to the trainer's tokens, is the trainer's own
         # (near-ties aside); replayed, it is exactly what the routers use.

@@ -121,12 +121,17 @@ def _hub_named(model, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tenso
     return named
 
 
+def checkpoint_arch(megatron_dir: str) -> ModelArch:
+    """The model a megarl Megatron checkpoint holds, from the HF config saved with it."""
+    return arch_from_hf_config(checkpoint.read_model_file(megatron_dir)["hf_config"])
+
+
 def check_checkpoint(hf_dir: str, megatron_dir: str, dims: ParallelDims, grads: bool,
                      batch: int = 4, seq: int = 32, micro_batches: int = 2, adapter_dir: str = None):
     """Load `megatron_dir` at the current layout and compare with HF transformers on `hf_dir`;
     with `adapter_dir` (a PEFT LoRA folder), both carry its adapters and the gradients compared
     are the adapters'. Collective; every rank returns the same (summary dict, our ParityResult)."""
-    arch = arch_from_hf_config(checkpoint.read_model_file(megatron_dir)["hf_config"])
+    arch = checkpoint_arch(megatron_dir)
     chunks = build_model(arch, dims, perform_initialization=False)
     checkpoint.load(chunks, megatron_dir)
     if adapter_dir:

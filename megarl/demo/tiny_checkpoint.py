@@ -121,9 +121,9 @@ def _add_mtp_layer(out_dir: str, num_layers: int, std: float) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
 
 
-def make_named(name: str, out_dir: str, seed: int = 0, dtype: str = "float32") -> str:
-    """A family name or a VARIANTS name."""
+def make_named(name: str, out_dir: str, seed: int = 0, dtype: str = "float32", **overrides) -> str:
+    """A family name or a VARIANTS name; `overrides`: config fields over the name's own."""
     if name in VARIANTS:
-        overrides = dict(VARIANTS[name])
-        return make_tiny_checkpoint(overrides.pop("family"), out_dir, seed=seed, dtype=dtype, **overrides)
-    return make_tiny_checkpoint(name, out_dir, seed=seed, dtype=dtype)
+        fields = {**VARIANTS[name], **overrides}
+        return make_tiny_checkpoint(fields.pop("family"), out_dir, seed=seed, dtype=dtype, **fields)
+    return make_tiny_checkpoint(name, out_dir, seed=seed, dtype=dtype, **overrides)

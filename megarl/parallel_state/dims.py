@@ -6,7 +6,7 @@ Does not own process groups: see `megatron_groups.py` for the one adapter to Meg
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional
 
 
@@ -71,7 +71,17 @@ class ParallelDims:
         world larger than the layer count (a whole allocation of nodes for a small model) takes as
         many stages as divide it and fit, and the other ranks are data-parallel replicas."""
         pp = max(d for d in range(1, min(world_size, num_layers) + 1) if world_size % d == 0)
-        return cls(world_size=world_size, pp=pp, **conversion_ends(num_layers, pp))
+        return cls(world_size=world_size, pp=pp).fit_stages(num_layers)
+
+    def fit_stages(self, num_layers: int) -> "ParallelDims":
+        """This layout with the converter's uneven stages (conversion_ends) when num_layers has no
+        even split over pp and neither end's size is set; the check scripts take it so that a
+        model the converter splits checks at the same PP. Unchanged with the ends set, with VPP
+        (megarl interleaves only even stages) or fewer layers than stages: stage_layers then
+        accepts it or refuses it by name."""
+        if self.uneven or self.vpp is not None or num_layers < self.pp:
+            return self
+        return replace(self, **conversion_ends(num_layers, self.pp))
 
     @property
     def uneven(self) -> bool:
