@@ -61,6 +61,7 @@ KEYS = [
     "async.max_staleness", "async.partial_rollout", "async.max_engine_restarts",
     "eval.sets", "eval.every", "eval.at_start", "eval.samples", "eval.temperature", "eval.top_p",
     "eval.max_prompts", "eval.pass_k", "eval.threshold", "eval.max_new_tokens",
+    "logger.trackers", "logger.project", "logger.name", "logger.mlflow_uri",
 ]
 
 

@@ -6,7 +6,7 @@ Does not own what runs (megarl/trainer/loop.py)."""
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from megarl.actor.config import ActorConfig
 from megarl.algos import pick
@@ -182,6 +182,46 @@ class CheckpointConfig:
                              f"checkpoint.keep={self.keep} >= 1")
 
 
+# tracker -> (the module it imports, the package and version setup.py pins): what preflight asks
+# to import, and the install it names when the import fails.
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard==2.21.0"),
+                    "wandb": ("wandb", "wandb==0.31.0"),
+                    "mlflow": ("mlflow", "mlflow-skinny==3.17.2")}
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """Where each step's metrics go besides run_dir/metrics.jsonl, which is always written
+    (trainer/trackers.py; docs/tracking.md)."""
+    # Any of tensorboard (run_dir/tensorboard), wandb (offline unless WANDB_MODE says otherwise:
+    # run_dir/wandb) and mlflow (run_dir/mlruns unless mlflow_uri); [] for metrics.jsonl alone.
+    trackers: Tuple[str, ...] = ("tensorboard",)
+    project: str = "megarl"  # the W&B project and the MLflow experiment
+    name: Optional[str] = None  # the run's name in W&B and MLflow; None: run_dir's folder name
+    mlflow_uri: Optional[str] = None  # MLflow's tracking URI; None: file:<run_dir>/mlruns
+
+    def __post_init__(self):
+        unknown = [name for name in self.trackers if name not in TRACKER_PACKAGES]
+        if unknown or len(set(self.trackers)) != len(self.trackers):
+            raise ValueError(f"logger.trackers={list(self.trackers)}: give each of "
+                             f"{sorted(TRACKER_PACKAGES)} at most once (or [] for metrics.jsonl alone)")
+        if not self.project:
+            raise ValueError("logger.project is empty: name the W&B project / MLflow experiment")
+
+    def check_installed(self) -> None:
+        """Refuse a chosen tracker whose package does not import here, naming the install."""
+        import importlib
+
+        for name in self.trackers:
+            module, package = TRACKER_PACKAGES[name]
+            try:
+                importlib.import_module(module)
+            except ImportError as error:
+                raise ValueError(f"logger.trackers has {name!r}, but {module!r} does not import here "
+                                 f"({error}): install it with `pip install {package}` (make install "
+                                 f"does), or take {name!r} out of logger.trackers") from None
+
+
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
@@ -197,6 +237,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # YAML: async (a Python keyword)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out sets (megarl/evaluation)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # metrics' trackers
     # Hybrid-engine handoff: also move the training weights off the device while vLLM generates
     # (optimizer states and gradients always move).
     offload_params: bool = False

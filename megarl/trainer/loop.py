@@ -255,8 +255,7 @@ def _report(run: Run, log: MetricsLog, rollouts: Rollouts) -> None:
     evaluations = log.evaluations()
     for number, metrics in dict(evaluations[:1] + evaluations[-1:]).items():
         console.say("\n".join(summary(metrics, number)))
-    console.say(f"megarl: curves in {plot_run(run_dir)}; metrics in {run_dir}/metrics.jsonl, "
-                f"TensorBoard: tensorboard --logdir {run_dir}/tensorboard")
+    console.say(f"megarl: curves in {plot_run(run_dir)}; {log.where()}")
     shown = {}
     collected = rollouts.collected
     for group, response, reward in zip(collected.batch.group_ids.tolist(), collected.responses,
@@ -278,7 +277,8 @@ def train(config: RunConfig, resume: Optional[str] = None) -> dict:
             return {}
         role = roles.start(placement, roles.launcher_store(placement))
     run, done = setup(config, resume, role)
-    log = MetricsLog(config.run_dir, config.steps, done + 1, enabled=megatron_groups.is_rank0())
+    log = MetricsLog(config.run_dir, config.steps, done + 1, enabled=megatron_groups.is_rank0(),
+                     logger=config.logger, settings=asdict(config))
     at_start = _evaluation(run, 0) if done == 0 else {}
     # Rollout ranks of their own return only the request's seconds: the metrics come later.
     _log_evaluations(log, [(0, at_start)] if any(k.startswith("eval/") for k in at_start) else [])

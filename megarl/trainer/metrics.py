@@ -1,4 +1,5 @@
-"""Per-step observability of a run: phase timers, metrics.jsonl, TensorBoard, a progress bar.
+"""Per-step observability of a run: phase timers, metrics.jsonl, the trackers logger.trackers
+chooses (TensorBoard, W&B, MLflow: trackers.py), a progress bar.
 
 Owns writing (rank 0 only) and timing; the loop decides what to measure, console.py where the
 bar and lines are drawn.
@@ -8,9 +9,11 @@ import contextlib
 import json
 import os
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megarl.trainer import console
+from megarl.trainer.config import LoggerConfig
+from megarl.trainer.trackers import TRACKERS
 
 
 class PhaseTimer:
@@ -48,32 +51,32 @@ def _drop_steps_from(path: str, first_step: int) -> None:
 
 
 class MetricsLog:
-    """metrics.jsonl + TensorBoard event files in run_dir, and the console's bar with reward and ETA."""
+    """metrics.jsonl in run_dir, the same rows to each tracker of `logger` (TensorBoard alone by
+    default, None), and the console's bar with reward and ETA. `settings`: the run's configuration,
+    which W&B and MLflow keep beside the metrics."""
 
-    def __init__(self, run_dir: str, total_steps: int, first_step: int, enabled: bool):
+    def __init__(self, run_dir: str, total_steps: int, first_step: int, enabled: bool,
+                 logger: Optional[LoggerConfig] = None, settings: Optional[dict] = None):
         self.enabled = enabled
+        logger = logger or LoggerConfig()
         if not enabled:
             return
-        from torch.utils.tensorboard import SummaryWriter
-
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         _drop_steps_from(self.path, first_step)
-        # purge_step hides events a killed run logged past its last checkpoint.
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=first_step)
+        self.trackers = [TRACKERS[name](run_dir, first_step, logger, settings) for name in logger.trackers]
         console.start_bar(total_steps, first_step - 1)
 
     def log(self, step: int, metrics: Dict[str, float], trained: bool = True) -> None:
-        """One row of metrics.jsonl and TensorBoard's points at `step`; `trained`: the row of a
+        """One row of metrics.jsonl and of each tracker at `step`; `trained`: the row of a
         training step, which advances the bar (False: a row of evaluation metrics only, the
         at-start evaluation's at step 0)."""
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, step)
-        self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
         if not trained:
             return
         skipped = {k: v for k, v in metrics.items() if k.endswith("/skipped") and v}
@@ -100,7 +103,12 @@ class MetricsLog:
         # Sorted: rollout ranks of their own finish evaluations while later steps are logged.
         return sorted(((step, metrics) for step, metrics in found if metrics), key=lambda found: found[0])
 
+    def where(self) -> str:
+        """Where the metrics are: metrics.jsonl and each tracker's files or run."""
+        return "; ".join([f"metrics in {self.path}", *(tracker.where() for tracker in self.trackers)])
+
     def close(self) -> None:
         if self.enabled:
             console.end_bar()
-            self.writer.close()
+            for tracker in self.trackers:
+                tracker.close()

@@ -76,6 +76,7 @@ def _check_data(config: RunConfig) -> None:
 def preflight(config: RunConfig) -> ParallelDims:
     """Raise ValueError/FileNotFoundError naming the values if `config` cannot run; returns the
     validated layout."""
+    config.logger.check_installed()  # the trackers' packages, before anything is loaded
     # MEGARL_DEVICE and MEGARL_TRANSFORMER_ENGINE against this machine: what is missing, named, first
     use_te = device_choice.uses_transformer_engine()
     arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
