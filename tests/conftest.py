@@ -45,6 +45,7 @@ TIERS = {
     "test_cpu_compat": UNIT,
     "test_device_choice": UNIT,
     "test_device_memory": UNIT,
+    "test_docs": UNIT,  # README.md and docs/*.md: length, links, anchors, config keys
     "test_dynamic_sampling": UNIT,
     "test_eval_config": UNIT,
     "test_eval_metrics": UNIT,
@@ -141,7 +142,7 @@ class _Untiered(pytest.Module):
     def collect(self):
         raise self.CollectError(
             f"{self.path.name} has no test tier: add {self.path.stem!r} to TIERS in tests/conftest.py "
-            f"({UNIT}, {DISTRIBUTED} or {E2E}; see the Testing section of the README)")
+            f"({UNIT}, {DISTRIBUTED} or {E2E}; see docs/testing.md)")
 
 
 def pytest_pycollect_makemodule(module_path, parent):
