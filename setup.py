@@ -36,7 +36,8 @@ setup(
         # Transformer Engine's PyTorch part (transformer_engine_torch) is compiled against the
         # installed torch, so `make install DEVICE=cuda` adds it in a second step without build
         # isolation, as TE documents; here only its CUDA 13 core, in megatron-core 0.16.1's range
-        # (>=2.9,<2.12), matching torch 2.13.0's CUDA 13.0. apex is built from source (README).
+        # (>=2.9,<2.12), matching torch 2.13.0's CUDA 13.0. apex is built from source
+        # (docs/gpu-and-slurm.md).
         "cuda": ["vllm==0.32.0", "transformer-engine[core_cu13]==2.11.0"],
         "dev": ["pytest==9.2.0", "pytest-timeout==2.4.0", "ruff==0.14.0"],
     },

@@ -296,7 +296,7 @@ def lora_vs_full(args, dims, actor, batch, layout: dict, useful_tokens: int, out
     if device_choice.uses_transformer_engine():  # lora.attach refuses TE's fused norm-linears
         if dist.get_rank() == 0:
             print(json.dumps({"case": "lora_vs_full", **layout, "skipped": "LoRA runs on the portable "
-                              "spec: model.transformer_engine=false (README, LoRA)"}), file=out)
+                              "spec: model.transformer_engine=false (docs/lora.md)"}), file=out)
         return
     chunks, arch = make_model(args, dims)
     config = lora.LoraConfig(rank=args.lora_rank)

@@ -202,9 +202,9 @@ def _verl_low_var_kl(lp: float, rf: float) -> float:
 
 def test_verl_kl_recipe_is_exact_where_the_clamps_bite():
     """verl clamps only its k3 (low_var_kl); its k1 ("kl", the reward penalty's default) and k2
-    ("mse") are not clamped. The recipe (README: k1 penalty with no kl_clamp, kl_estimator=low_var_kl
-    for the KL loss) equals verl's formulas on log-ratios from 1e-3 to 60 either way, where
-    kl_clamp=10 on k1 or k2 would not (|d| > 10 for k1, > 4.47 for k2)."""
+    ("mse") are not clamped. The recipe (docs/algorithms.md: k1 penalty with no kl_clamp,
+    kl_estimator=low_var_kl for the KL loss) equals verl's formulas on log-ratios from 1e-3 to 60
+    either way, where kl_clamp=10 on k1 or k2 would not (|d| > 10 for k1, > 4.47 for k2)."""
     gaps = [s * v for v in (1e-3, 0.5, 3.0, 4.6, 11.0, 19.0, 25.0, 60.0) for s in (1, -1)]
     ref = torch.zeros(len(gaps), dtype=torch.float64)
     logprobs = torch.tensor(gaps, dtype=torch.float64)  # d = ref - logprobs = -gap

@@ -89,7 +89,7 @@ def test_config_keys_are_the_frozen_list():
     assert not added and not removed, (
         f"RunConfig's keys changed: added {added}, removed or renamed {removed}. Users' YAML files and "
         "overrides name these keys: if the change is deliberate, update KEYS in tests/test_config_keys.py "
-        "and the README (and configs/ where a preset sets a renamed key).")
+        "and docs/configuration.md (and configs/ where a preset sets a renamed key).")
 
 
 def test_a_sync_bucket_below_one_mib_is_refused_naming_the_key():

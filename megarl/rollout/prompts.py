@@ -6,7 +6,7 @@ reward, and optionally the data source and extra info a reward function may use.
 is a key path (RecordKeys; dotted for nested fields: `reward_model.ground_truth`). The defaults read
 megarl's own files (`prompt`, `answer`) and verl's as its preprocessing writes them (`prompt` as chat
 messages, `reward_model.ground_truth`, `data_source`, `extra_info`) with no key set; slime's and
-NeMo-RL's layouts by naming their keys (README, "Prompt data"). A record without the prompt key
+NeMo-RL's layouts by naming their keys (docs/data-and-rewards.md). A record without the prompt key
 but with `messages` is read as that chat. A tokenizer with a chat template renders both kinds as a
 chat with the generation prompt; without one, text is used as is.
 Does not own generation or rewards.

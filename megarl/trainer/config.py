@@ -258,8 +258,8 @@ class RunConfig:
                                  "their own (layout.rollout_world_size > 0): colocated engines cannot "
                                  "generate while their ranks train")
             return
-        # key -> (its value where refused, why): what holds on a GPU cluster too (README, "What
-        # composes with what").
+        # key -> (its value where refused, why): what holds on a GPU cluster too (docs/async-and-
+        # agents.md, "What composes with what").
         refused = {
             # The rollout ranks judge a round's groups by their rewards (trainer/step_draws.py).
             "algo.dynamic_sampling_rounds with reward models (rm:) in algo.reward": (
