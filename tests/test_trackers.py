@@ -1,13 +1,11 @@
 """The trackers of logger.trackers, real packages writing real files: a few rows through MetricsLog
-to TensorBoard, W&B (offline) and MLflow (a file store), read back with each one's own reader (
+to TensorBoard, W&B (offline) and MLflow (SQLite), read back with each one's own reader (
 TensorBoard's EventAccumulator, `wandb leet inspect --json` on the .wandb log, MlflowClient on the
 store) and compared with metrics.jsonl; a resumed launch; a tracker whose package does not import,
 refused by preflight before anything is loaded; the pins preflight names against setup.py and
 the locks."""
 
 import ast
-import glob
-import json
 import math
 import pathlib
 import subprocess
@@ -18,6 +16,7 @@ import pytest
 from megarl.trainer.config import TRACKER_PACKAGES, LoggerConfig
 from megarl.trainer.metrics import MetricsLog
 from megarl.trainer.trackers import mlflow_key
+from tests.tracker_files import jsonl, mlflow_names, mlflow_runs, same, series, tensorboard, wandb_runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALL = LoggerConfig(trackers=("tensorboard", "wandb", "mlflow"), project="megarl-test", name="tiny")
@@ -46,100 +45,41 @@ def _launch(run_dir, first_step, rows):
     return where
 
 
-def _series(rows):
-    """{metric: [(step, value), ...]} in the order logged."""
-    out = {}
-    for step, metrics in rows:
-        for key, value in metrics.items():
-            out.setdefault(key, []).append((step, float(value)))
-    return out
-
-
-def _same(got, want, rel=0.0):
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    for key in want:
-        assert [s for s, _ in got[key]] == [s for s, _ in want[key]], key
-        assert [v for _, v in got[key]] == pytest.approx([v for _, v in want[key]], rel=rel, nan_ok=True), key
-
-
-def _jsonl(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(row.pop("step"), row) for row in rows]
-
-
-def _tensorboard(run_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
-def _wandb_runs(run_dir):
-    """Each offline run's (run record, its history rows as (step, metrics)), by W&B's own reader of
-    the .wandb log, in the order the runs started."""
-    runs = []
-    for path in sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*"))):
-        out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", path],
-                             capture_output=True, text=True, check=True).stdout
-        records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        run = next(r["run"] for r in records if r["type"] == "run")
-        history = [{k: v for k, v in r["history"]["item"].items() if not k.startswith("_")}
-                   for r in records if r["type"] == "history"]
-        runs.append((run, [(row.pop("step"), row) for row in history]))
-    return runs
-
-
-def _mlflow_runs(run_dir):
-    """Each MLflow run of the file store: (run, {key: [(step, value)]}), oldest first."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
-    experiment = client.get_experiment_by_name(ALL.project)
-    runs = sorted(client.search_runs([experiment.experiment_id]), key=lambda run: run.info.start_time)
-    return [(run, {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
-                   for key in run.data.metrics}) for run in runs]
-
-
-def _mlflow_names(series):
-    return {mlflow_key(key): values for key, values in series.items()}
-
-
 def test_each_tracker_holds_metrics_jsonl_rows_and_a_resume_is_told_apart(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline, the default
     run_dir = tmp_path / "run"
     where = _launch(run_dir, 1, FIRST)
-    logged = _jsonl(run_dir)
-    want = _series(logged)
-    _same(want, _series([(step, metrics) for step, metrics, _ in FIRST]))
-    _same(_tensorboard(run_dir), want, rel=1e-7)  # float32 events
-    [(run, history)] = _wandb_runs(run_dir)
+    logged = jsonl(run_dir)
+    want = series(logged)
+    same(want, series([(step, metrics) for step, metrics, _ in FIRST]))
+    same(tensorboard(run_dir), want, rel=1e-7)  # float32 events
+    [(run, history)] = wandb_runs(run_dir)
     assert (run["display_name"], run["run_group"], run["project"]) == ("tiny", "tiny", "megarl-test")
     assert run["config"]["update"]["algo"] == SETTINGS["algo"]  # the run's configuration beside it
-    _same(_series(history), want)
-    [(run, series)] = _mlflow_runs(run_dir)
+    same(series(history), want)
+    [(run, by_key)] = mlflow_runs(run_dir, ALL.project)
     assert run.info.run_name == "tiny" and run.info.status == "FINISHED"
     params = run.data.params  # the run's configuration, dotted, with MLflow's spelling of keys
     assert params["algo.advantage"] == "grpo" and params["eval.sets.math_at_small.every"] == "2"
-    assert "eval/math/all/pass_at_1" in series
-    _same(series, _mlflow_names(want))
+    assert "eval/math/all/pass_at_1" in by_key
+    same(by_key, mlflow_names(want))
     assert f"wandb sync {run_dir}/wandb/offline-run-" in where and "MLflow: run" in where
 
     # Resumed from step 2's checkpoint: metrics.jsonl and TensorBoard drop the first launch's step 3
     # (purge_step); W&B and MLflow start a run of their own for the launch, the first keeping its rows.
     _launch(run_dir, 3, RESUMED)
-    logged = _jsonl(run_dir)
+    logged = jsonl(run_dir)
     assert [step for step, _ in logged] == [0, 1, 2, 1, 3, 4]
-    want = _series(logged)
-    _same(_tensorboard(run_dir), want, rel=1e-7)
-    (_, first), (run, history) = _wandb_runs(run_dir)
+    want = series(logged)
+    same(tensorboard(run_dir), want, rel=1e-7)
+    (_, first), (run, history) = wandb_runs(run_dir)
     assert (run["display_name"], run["run_group"]) == ("tiny-from-step-3", "tiny")
-    _same(_series(first), _series([(step, metrics) for step, metrics, _ in FIRST]))
-    _same(_series(history), _series([(step, metrics) for step, metrics, _ in RESUMED]))
-    (_, first), (run, series) = _mlflow_runs(run_dir)
+    same(series(first), series([(step, metrics) for step, metrics, _ in FIRST]))
+    same(series(history), series([(step, metrics) for step, metrics, _ in RESUMED]))
+    (_, first), (run, by_key) = mlflow_runs(run_dir, ALL.project)
     assert run.info.run_name == "tiny-from-step-3"
     assert run.data.tags["megarl.group"] == "tiny" and run.data.tags["megarl.first_step"] == "3"
-    _same(series, _series([(step, metrics) for step, metrics, _ in RESUMED]))
+    same(by_key, series([(step, metrics) for step, metrics, _ in RESUMED]))
     assert first["reward/mean"] == [(1, 0.25), (2, 0.75), (3, 0.5)]  # the first launch's run, whole
 
 

@@ -194,11 +194,11 @@ class LoggerConfig:
     """Where each step's metrics go besides run_dir/metrics.jsonl, which is always written
     (trainer/trackers.py; docs/tracking.md)."""
     # Any of tensorboard (run_dir/tensorboard), wandb (offline unless WANDB_MODE says otherwise:
-    # run_dir/wandb) and mlflow (run_dir/mlruns unless mlflow_uri); [] for metrics.jsonl alone.
+    # run_dir/wandb) and mlflow (run_dir/mlflow.db unless mlflow_uri); [] for metrics.jsonl alone.
     trackers: Tuple[str, ...] = ("tensorboard",)
     project: str = "megarl"  # the W&B project and the MLflow experiment
     name: Optional[str] = None  # the run's name in W&B and MLflow; None: run_dir's folder name
-    mlflow_uri: Optional[str] = None  # MLflow's tracking URI; None: file:<run_dir>/mlruns
+    mlflow_uri: Optional[str] = None  # MLflow's tracking URI; None: sqlite:///<run_dir>/mlflow.db
 
     def __post_init__(self):
         unknown = [name for name in self.trackers if name not in TRACKER_PACKAGES]

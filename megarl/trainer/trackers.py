@@ -10,7 +10,6 @@ Does not own metrics.jsonl, the bar or what is measured (metrics.py, the loop).
 """
 
 import os
-import pathlib
 import re
 import time
 from typing import Dict, Optional
@@ -100,9 +99,10 @@ def _flat(settings: dict, prefix: str = "") -> Dict[str, str]:
 
 
 class MLflow:
-    """An MLflow run in experiment logger.project at logger.mlflow_uri, by default a file store in
-    run_dir/mlruns (MLflow keeps its file store in maintenance mode and refuses it unless
-    MLFLOW_ALLOW_FILE_STORE=true, which is set for this process when the URI is a file one). On
+    """An MLflow run in experiment logger.project at logger.mlflow_uri, by default a SQLite store,
+    run_dir/mlflow.db: MLflow's file store keeps each metric in a file named by it, so a name
+    cannot also be the folder of others (throughput/tflops_per_device beside
+    throughput/tflops_per_device/generate), and MLflow 3.17 keeps it in maintenance mode. On
     resume the launch is a run of its own, tagged megarl.group with the first launch's name:
     MLflow keeps every value logged, so one run would hold the repeated steps twice."""
 
@@ -113,9 +113,7 @@ class MLflow:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        self.uri = logger.mlflow_uri or pathlib.Path(run_dir, "mlruns").resolve().as_uri()
-        if self.uri.startswith("file:"):
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.uri = logger.mlflow_uri or f"sqlite:///{os.path.abspath(os.path.join(run_dir, 'mlflow.db'))}"
         self.client = MlflowClient(tracking_uri=self.uri)
         experiment = self.client.get_experiment_by_name(logger.project)
         experiment_id = (experiment.experiment_id if experiment
