@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megarl.parallel_state.megatron_groups import free_port
+from tests import tracker_files
 from tests.launch import (
     ROOT,
     kill_tree,
@@ -390,14 +391,16 @@ def test_killed_run_resumes_exactly_and_exports_hf(demo_inputs, tmp_path):
     whole = tmp_path / "whole"
     run("scripts/train_ppo_moe.py", *_args(demo_inputs, whole, *args), nproc=2, timeout=900)
 
-    killed = tmp_path / "killed"
-    proc = spawn("scripts/train_ppo_moe.py", *_args(demo_inputs, killed, *args), nproc=2)
+    # The killed run also writes to W&B (offline) and MLflow: the real loop's names, and a resumed
+    # launch's runs (~3.4 s a launch: docs/tracking.md).
+    killed, tracked = tmp_path / "killed", "logger.trackers=[tensorboard,wandb,mlflow]"
+    proc = spawn("scripts/train_ppo_moe.py", *_args(demo_inputs, killed, *args, tracked), nproc=2)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "step_000003" / "trainer.json").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its step-3 checkpoint"
         time.sleep(0.2)
     proc.kill()
-    out = run("scripts/train_ppo_moe.py", *_args(demo_inputs, killed, *args), "--resume", "auto",
+    out = run("scripts/train_ppo_moe.py", *_args(demo_inputs, killed, *args, tracked), "--resume", "auto",
               nproc=2, timeout=900)
     assert "resumed from" in out.stdout + out.stderr
 
@@ -406,6 +409,15 @@ def test_killed_run_resumes_exactly_and_exports_hf(demo_inputs, tmp_path):
     for a, b in zip(expected[3:], got[3:]):
         assert _without_measurements(a) == _without_measurements(b)
     assert sorted(os.listdir(killed / "checkpoints")) == ["step_000003", "step_000006"]
+    resumed = tracker_files.series([(step, row) for step, row in tracker_files.jsonl(killed) if step >= 4])
+    assert len(list((killed / "wandb").glob("offline-run-*"))) == 2  # a W&B run per launch
+    *_, (wandb_run, history) = tracker_files.wandb_runs(killed)
+    assert wandb_run["display_name"] == "killed-from-step-4"
+    tracker_files.same(tracker_files.series(history), resumed)
+    (_, by_key_killed), (mlflow_run, by_key) = tracker_files.mlflow_runs(killed, "megarl")
+    assert [step for step, _ in by_key_killed["reward/mean"]][:3] == [1, 2, 3]  # kept when killed
+    assert mlflow_run.info.run_name == "killed-from-step-4" and "eval/heldout/all/pass_at_4" in by_key
+    tracker_files.same(by_key, tracker_files.mlflow_names(resumed))
 
     held_out = {k: v for k, v in expected[-1].items() if k.startswith("eval/")}
     assert held_out["eval/heldout/all/pass@4"] >= held_out["eval/heldout/all/pass@1"] > 0, held_out

@@ -43,13 +43,16 @@ def tensorboard(run_dir):
 
 def wandb_runs(run_dir):
     """Each offline run's (run record, its history rows as (step, metrics)), by W&B's own reader of
-    the .wandb log, in the order the runs started."""
+    the .wandb log, in the order the runs started. A log with no run record is left out: W&B
+    writes it every 15 s, so a launch killed sooner left only the file's header."""
     runs = []
     for path in glob.glob(str(run_dir / "wandb" / "offline-run-*")):
         out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", path],
                              capture_output=True, text=True, check=True).stdout
         records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        run = next(r["run"] for r in records if r["type"] == "run")
+        run = next((r["run"] for r in records if r["type"] == "run"), None)
+        if run is None:
+            continue
         history = [{k: v for k, v in r["history"]["item"].items() if not k.startswith("_")}
                    for r in records if r["type"] == "history"]
         runs.append((run, [(row.pop("step"), row) for row in history]))
