@@ -41,7 +41,7 @@ $(STAMP): setup.py $(LOCK)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
 	$(BIN)/pip install --quiet -c $(LOCK) -e '.[$(DEVICE),dev]'
 	$(AFTER_$(DEVICE))
-	$(BIN)/python -m megarl.parallel_state.install_check $(DEVICE)
+	$(BIN)/python -m megarl.platform.install_check $(DEVICE)
 	touch $@
 
 # Tiers (tests/conftest.py, TIERS): unit, distributed, e2e. test-quick runs the unit tier only.

@@ -210,7 +210,7 @@ def main():
     out = json_stdout()
     import transformers
 
-    from megarl.rollout.vllm_engine import VLLMEngine
+    from megarl.rollout.vllm.engine import VLLMEngine
 
     count = max(args.conversations, args.python_conversations)
     # The demo's tokenizer is trained on the prompts: a few would leave it too small to train.

@@ -14,12 +14,12 @@ freed memory cannot hide another's peak):
             actor did before: 6.0x the fp32 logits on an H100). Run only where it fits
             (--full-max-gb), since that is the point.
 `peak_over_fp32_logits`: the peak extra memory (GPU: the CUDA allocator's peak; CPU: the resident
-set's high-water mark, parallel_state/device_memory.py) over the bytes of the fp32 logits; beside it
+set's high-water mark, platform/device_memory.py) over the bytes of the fp32 logits; beside it
 `planned_over_fp32_logits`, vocab_parallel.working_bytes for the same kernels (what the memory plan
 counts). Target: every head case <= 1.0x at every token count. A line then compares each head
 case's log-probs, entropies and gradients with the full-width case's where both ran.
   plan_vs_measured  (--phases-only: this case alone; --no-phases: skip it) the memory plan
-            (trainer/memory_plan.py, what scripts/plan_memory.py and the preflight use) against
+            (planning/memory_plan.py, what scripts/plan_memory.py and the preflight use) against
             the measured peak of each phase of a real actor step (old log-probs, update) at three
             layouts of two ranks (bench/memory_phases.py: a 36M-parameter fp32 Qwen3, 64K
             vocabulary, micro-batches filled to 1,024 tokens), each phase's peak above the
@@ -107,8 +107,7 @@ def _head(args, device, kernels):
 
 def run_case(args) -> dict:
     from megarl.algos.vocab_parallel import working_bytes
-    from megarl.parallel_state import device_memory
-
+    from megarl.platform import device_memory
     device = torch.device(args.device)
     kernels = args.case if args.case in ("eager", "compiled") else None
     fn = {"full": lambda: _full_width, "megatron": lambda: _megatron_cross_entropy(device)}.get(
@@ -162,10 +161,9 @@ def run_case(args) -> dict:
 def planned_phases(arch, fields: dict, world: int) -> dict:
     """The memory plan's old_logprobs and actor_update peaks (the largest stage's) for the
     worker's run: the CPU path, no engine (the worker builds none), nothing else on the rank."""
-    from megarl.models.destination import RolloutLayout
+    from megarl.models.weights.destination import RolloutLayout
     from megarl.parallel_state.dims import ParallelDims
-    from megarl.trainer import memory_plan as mp
-
+    from megarl.planning import memory_plan as mp
     request = mp.MemoryRequest(arch=arch, dims=ParallelDims(world_size=world, **fields),
                                rollout=RolloutLayout(1), device_bytes=float("inf"),
                                actor=mp.TrainedModel(PHASE_BATCH["micro_batch_tokens"]), gpu=False,
@@ -179,7 +177,7 @@ def compare_phases() -> bool:
     within PHASE_BOUND."""
     import tempfile
 
-    from megarl.models.hf_config import arch_from_hf_config
+    from megarl.models.hf.config import arch_from_hf_config
 
     with tempfile.TemporaryDirectory() as hf_dir:
         with open(os.path.join(hf_dir, "config.json"), "w") as f:

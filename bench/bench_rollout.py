@@ -117,7 +117,7 @@ def profile_generate(generate) -> None:
     stats = pstats.Stats(profiler, stream=io.StringIO())
     cumulative = {(os.path.basename(file), name): entry[3]
                   for (file, _, name), entry in stats.stats.items()}
-    total, inner = cumulative[("vllm_engine.py", "generate")], cumulative[("llm.py", "generate")]
+    total, inner = cumulative[("rollout/vllm/engine.py", "generate")], cumulative[("llm.py", "generate")]
     stats.stream = sys.stderr
     stats.sort_stats("cumulative").print_stats(25)
     print(f"megarl VLLMEngine.generate {total:.3f}s, of which vLLM's LLM.generate {inner:.3f}s: "
@@ -149,7 +149,7 @@ def main():
     from megarl.rollout.completion import Completion
     from megarl.rollout.engine import SamplingConfig
     from megarl.rollout.turns import TurnDriver
-    from megarl.rollout.vllm_engine import VLLMEngine
+    from megarl.rollout.vllm.engine import VLLMEngine
 
     shutil.rmtree(args.inputs, ignore_errors=True)
     tokenizer, prompts = make_inputs(args.inputs, prompts_count, args.seed)

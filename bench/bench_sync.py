@@ -405,8 +405,8 @@ def naive_hf_tensors(chunks, arch):
     import torch
     import torch.distributed as dist
 
-    from megarl.models import weight_tables
-    from megarl.models.param_layout import join_shards, weight_slots
+    from megarl.models.megatron.param_layout import join_shards, weight_slots
+    from megarl.models.weights import tables as weight_tables
     from megarl.parallel_state import megatron_groups as groups
 
     pp, tp, ep, etp = groups.pipeline(), groups.tensor(), groups.expert(), groups.expert_tensor()
@@ -445,7 +445,7 @@ def _time_naive(chunks, arch, engine, repeats: int) -> Tuple[float, int]:
     that gathered too little would be fast for the wrong reason."""
     import torch
 
-    from megarl.models.hf_io import gather_hf_tensors
+    from megarl.models.hf.weights_io import gather_hf_tensors
 
     held = []
 
@@ -479,12 +479,12 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from megarl.checks import weight_sync as verify
-    from megarl.models.builder import build_model
-    from megarl.models.hf_config import load_arch
-    from megarl.models.hf_io import load_hf_weights
+    from megarl.models.hf.config import load_arch
+    from megarl.models.hf.weights_io import load_hf_weights
+    from megarl.models.megatron.builder import build_model
     from megarl.parallel_state import megatron_groups
     from megarl.parallel_state.dims import ParallelDims
-    from megarl.rollout.vllm_engine import VLLMEngine
+    from megarl.rollout.vllm.engine import VLLMEngine
 
     world = megatron_groups.init_distributed()
     dims = ParallelDims(world_size=world, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
@@ -538,13 +538,13 @@ def lora_worker(args, chunks, arch, dims) -> None:
     import torch.distributed as dist
 
     from megarl.checks import weight_sync as verify
-    from megarl.models import peft_io
-    from megarl.models.lora import LoraConfig
+    from megarl.models.lora import peft_io
+    from megarl.models.lora.adapters import LoraConfig
     from megarl.parallel_state import megatron_groups
     from megarl.resharding import sync_weights
     from megarl.resharding.adapter_sync import push_weights
-    from megarl.rollout.vllm_engine import VLLMEngine
-    from megarl.rollout.vllm_lora import AdapterSpec
+    from megarl.rollout.vllm.engine import VLLMEngine
+    from megarl.rollout.vllm.lora import AdapterSpec
 
     config = LoraConfig(rank=args.lora_rank)
     peft_io.start(chunks, arch, config, None)

@@ -31,8 +31,8 @@ import statistics
 import time
 import warnings
 
-from megarl.models.builder import build_model
-from megarl.models.hf_config import ModelArch
+from megarl.models.hf.config import ModelArch
+from megarl.models.megatron.builder import build_model
 from megarl.parallel_state import megatron_groups
 from megarl.resharding import cluster_plan as cp
 from megarl.resharding import gpu_kinds, metadata, sync

@@ -47,9 +47,9 @@ LORA_STATE_TARGET = 0.05
 def make_model(args, dims):
     """A random HF checkpoint (written by rank 0), loaded into this rank's Megatron shards."""
     from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
-    from megarl.models.builder import build_model
-    from megarl.models.hf_config import arch_from_hf_config
-    from megarl.models.hf_io import load_hf_weights
+    from megarl.models.hf.config import arch_from_hf_config
+    from megarl.models.hf.weights_io import load_hf_weights
+    from megarl.models.megatron.builder import build_model
 
     hidden = args.hidden
     sizes = dict(vocab_size=args.vocab, hidden_size=hidden, num_hidden_layers=args.layers,
@@ -290,9 +290,8 @@ def main():
 
 def lora_vs_full(args, dims, actor, batch, layout: dict, useful_tokens: int, out) -> None:
     from megarl.actor.actor import Actor
-    from megarl.models import lora
-    from megarl.parallel_state import device_choice
-
+    from megarl.models.lora import adapters as lora
+    from megarl.platform import device_choice
     if device_choice.uses_transformer_engine():  # lora.attach refuses TE's fused norm-linears
         if dist.get_rank() == 0:
             print(json.dumps({"case": "lora_vs_full", **layout, "skipped": "LoRA runs on the portable "

@@ -1,11 +1,11 @@
 """torchrun worker of bench/bench_memory.py --phases: the measured memory of a training step's
-phases, at several layouts, to set beside the memory plan's (trainer/memory_plan.py).
+phases, at several layouts, to set beside the memory plan's (planning/memory_plan.py).
 
 For each layout: Megatron's groups for it, the process's memory before anything is built (the
 baseline), then the real actor (build_model, TrainState with Megatron's distributed optimizer) on
 a batch of full-length sequences that fill every micro-batch to its token budget. A first step
 (old log-probs, update) allocates Adam's moments; the second is measured: each phase's peak minus
-the baseline (parallel_state/device_memory.py: on CPU the resident set's high-water mark), the
+the baseline (platform/device_memory.py: on CPU the resident set's high-water mark), the
 largest over ranks. Rank 0 prints one JSON line.
 """
 
@@ -19,10 +19,11 @@ import torch.distributed as dist
 from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.batch.rollout_batch import RolloutBatch
-from megarl.models.builder import build_model
-from megarl.models.hf_config import arch_from_hf_config, load_hf_config
-from megarl.parallel_state import device_memory, megatron_groups
+from megarl.models.hf.config import arch_from_hf_config, load_hf_config
+from megarl.models.megatron.builder import build_model
+from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
+from megarl.platform import device_memory
 
 
 def full_batch(vocab: int, sequences: int, length: int) -> RolloutBatch:

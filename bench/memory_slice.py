@@ -1,4 +1,4 @@
-"""Worker of scripts/gpu_check.py: the memory plan (trainer/memory_plan.py, what
+"""Worker of scripts/gpu_check.py: the memory plan (planning/memory_plan.py, what
 scripts/plan_memory.py and the preflight use) against the measured peak of each phase of a real
 actor step, on a few-layer slice of a published model, at world 1.
 
@@ -23,7 +23,7 @@ parts: the state, the backward's transients and the optimizer step's (the update
 plus the larger of the two). Prints one JSON object. --vocab and --batch change the slice (a step
 that outweighs the backward: --widths tiny --vocab 262144 --batch 2,64,128). --plan-only DEVICE plans
 the slice as the GPU check runs it there and runs nothing; --replay FILE plans the slices of a GPU's
-record (megarl/trainer/memory_record.py) instead.
+record (megarl/planning/memory_record.py) instead.
 """
 
 import argparse
@@ -36,12 +36,13 @@ from memory_phases import full_batch, measure  # bench/ is the script's director
 
 from megarl.actor.optimizer import built_adam
 from megarl.demo.tiny_checkpoint import BASE, FAMILIES
-from megarl.models.destination import RolloutLayout
-from megarl.models.hf_config import arch_from_hf_config
-from megarl.parallel_state import device_choice, megatron_groups
+from megarl.models.hf.config import arch_from_hf_config
+from megarl.models.weights.destination import RolloutLayout
+from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
-from megarl.trainer import memory_plan as mp
-from megarl.trainer import memory_record
+from megarl.planning import memory_plan as mp
+from megarl.planning import memory_record
+from megarl.platform import device_choice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # |planned - measured| <= this share of measured, every phase: on a GPU issue 48's bar (the

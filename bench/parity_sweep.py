@@ -20,8 +20,8 @@ import traceback
 
 from megarl.checks import parity
 from megarl.demo.tiny_checkpoint import FAMILIES, VARIANTS, make_named
-from megarl.models.convert import hf_to_megatron
-from megarl.models.hf_config import load_arch
+from megarl.models.hf.config import load_arch
+from megarl.models.weights.convert import hf_to_megatron
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 

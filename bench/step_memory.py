@@ -24,8 +24,8 @@ import torch
 from megatron.core.utils import local_multi_tensor_scale
 
 from megarl.actor.optimizer import NO_OFFLOAD, OptimizerOffloadConfig, step_transients
-from megarl.parallel_state import device_memory
-from megarl.trainer import memory_record
+from megarl.planning import memory_record
+from megarl.platform import device_memory
 
 
 def _extra(fn) -> int:

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from megarl.models.safetensors_reader import SafetensorsReader
+from megarl.models.hf.safetensors_reader import SafetensorsReader
 
 
 def compare(a_dir: str, b_dir: str) -> dict:

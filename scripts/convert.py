@@ -49,7 +49,7 @@ def main():
                      "(e.g. convert.py hf-to-megatron --hf-dir IN --out OUT)")
     # Imported once the arguments are known good: torch and Megatron-Core take seconds to load,
     # and a wrong direction under torchrun or sbatch should fail at once.
-    from megarl.models import convert
+    from megarl.models.weights import convert
     from megarl.parallel_state import megatron_groups
 
     if args.direction == "hf-to-megatron":

@@ -28,9 +28,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megarl.evaluation.eval_metrics import ALL
 from megarl.evaluation.model_source import MEGATRON, ModelSource, model_source, tokenizer_dir
-from megarl.models.hf_config import ModelArch, arch_from_hf_config
-from megarl.trainer.config import RunConfig
-from megarl.trainer.typed_config import build
+from megarl.models.hf.config import ModelArch, arch_from_hf_config
+from megarl.planning.config import RunConfig
+from megarl.planning.typed_config import build
 
 # Config keys as this script's flags name them, for messages about a flag's value.
 FLAGS = {"eval.sets key": "--set", "eval.samples": "--samples", "eval.temperature": "--temperature",
@@ -201,7 +201,7 @@ def _converted(source: ModelSource, convert_dir: Optional[str]) -> Tuple[str, Op
     folder holding it (None: kept)."""
     import torch.distributed as dist
 
-    from megarl.models.convert import megatron_to_hf
+    from megarl.models.weights.convert import megatron_to_hf
 
     temporary = None
     if convert_dir is None:
@@ -223,7 +223,7 @@ def evaluate_plan(plan: Plan, convert_dir: Optional[str] = None) -> dict:
     from megarl.rewards.scorer import Scorer
     from megarl.rollout.producer import load_producer
     from megarl.rollout.turns import TurnDriver
-    from megarl.rollout.vllm_engine import VLLMEngine
+    from megarl.rollout.vllm.engine import VLLMEngine
 
     config, name = plan.config, plan.set_name
     evaluation, data, gen, algo = config.eval_config, config.data, config.generation, config.algo

@@ -8,7 +8,7 @@
 
 Builds the model of each pipeline stage on the meta device (Megatron-Core's layers, no weights:
 seconds) and composes each phase of a step from what the run's own code holds
-(megarl/trainer/memory_plan.py names the source of every term): engine start, weight sync,
+(megarl/planning/memory_plan.py names the source of every term): engine start, weight sync,
 generation (vLLM's share of the GPU), old/ref log-probs, critic values, actor and critic updates,
 HF export. Prints each phase's peak per pipeline stage and the binding stage's terms, then the
 verdict; the last line is one JSON object with fits, peak_gb_per_gpu, phase_peaks_gb, headroom_gb
@@ -28,9 +28,9 @@ import os
 import sys
 
 from megarl.actor.optimizer import ADAM_KINDS, OptimizerOffloadConfig
-from megarl.models.megatron_config import RECOMPUTE_MODULES, RecomputeConfig
+from megarl.models.megatron.config import RECOMPUTE_MODULES, RecomputeConfig
+from megarl.planning import memory_plan as mp
 from megarl.resharding import cluster_plan as cp
-from megarl.trainer import memory_plan as mp
 
 ADAM_NAMES = {"te": "Transformer Engine's FusedAdam", "apex": "Apex's FusedAdam", "torch": "torch's AdamW"}
 
@@ -107,8 +107,8 @@ def _from_flags(args, arch) -> mp.MemoryRequest:
 
 
 def _from_run(args, arch) -> mp.MemoryRequest:
-    from megarl.trainer.config import RunConfig
-    from megarl.trainer.typed_config import load
+    from megarl.planning.config import RunConfig
+    from megarl.planning.typed_config import load
 
     config = load(RunConfig, args.config, [f"model.hf_dir={os.path.dirname(args.hf_config)}",
                                            "data.path=unused.jsonl", *args.overrides])

@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def lora_config(text: str):
     """--lora's LoraConfig; ValueError names a bad part."""
-    from megarl.models.lora import LoraConfig
+    from megarl.models.lora.adapters import LoraConfig
 
     fields = {}
     for part in text.split(","):
@@ -129,11 +129,11 @@ def lora_config(text: str):
 def plan_lora(result: cp.ClusterPlan, config) -> dict:
     """The adapters-only sync at the plan's layout (resharding/adapter_plan.py): into vLLM's LoRA
     slots, or merged by the engine, with the host bytes of the base each engine rank then keeps
-    (the most of any rank: rollout/vllm_merge.py's modules)."""
-    from megarl.models.destination import vllm_rank_tensors
+    (the most of any rank: rollout/vllm/merge.py's modules)."""
+    from megarl.models.weights.destination import vllm_rank_tensors
     from megarl.resharding import adapter_plan
-    from megarl.rollout.vllm_lora import slots_refusal
-    from megarl.rollout.vllm_merge import adapted_modules
+    from megarl.rollout.vllm.lora import slots_refusal
+    from megarl.rollout.vllm.merge import adapted_modules
 
     refusal = slots_refusal(result.arch, config)
     kept = 0

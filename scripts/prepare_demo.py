@@ -93,11 +93,11 @@ def warm_start(model_dir: str, tokenizer, traces, steps: int, seed: int):
     from megarl.actor.config import ActorConfig
     from megarl.actor.optimizer import OptimConfig
     from megarl.demo.sft import sft_batch, sft_step
-    from megarl.models import mtp_weights
-    from megarl.models.builder import build_model
-    from megarl.models.hf_config import arch_from_hf_config
-    from megarl.models.hf_io import gather_hf_tensors, load_hf_weights
-    from megarl.models.safetensors_reader import SafetensorsReader
+    from megarl.models.hf.config import arch_from_hf_config
+    from megarl.models.hf.safetensors_reader import SafetensorsReader
+    from megarl.models.hf.weights_io import gather_hf_tensors, load_hf_weights
+    from megarl.models.megatron.builder import build_model
+    from megarl.models.weights import mtp as mtp_weights
     from megarl.parallel_state import megatron_groups
     from megarl.parallel_state.dims import ParallelDims
 

@@ -10,11 +10,11 @@ specs."""
 import argparse
 import os
 
-from megarl.parallel_state import device_choice
+from megarl.planning.config import RunConfig
+from megarl.planning.preflight import preflight
+from megarl.planning.typed_config import load
+from megarl.platform import device_choice
 from megarl.trainer import console
-from megarl.trainer.config import RunConfig
-from megarl.trainer.preflight import preflight
-from megarl.trainer.typed_config import load
 
 
 def main():

@@ -25,16 +25,16 @@ import torch
 from megarl.checks import weight_sync as verify
 from megarl.checks.layout_flags import add_layout_flags, layout
 from megarl.checks.loader_parity import loader_parity
-from megarl.models import peft_io
-from megarl.models.builder import build_model
-from megarl.models.hf_config import load_arch
-from megarl.models.hf_io import load_hf_weights
-from megarl.models.lora import LoraConfig
+from megarl.models.hf.config import load_arch
+from megarl.models.hf.weights_io import load_hf_weights
+from megarl.models.lora import peft_io
+from megarl.models.lora.adapters import LoraConfig
+from megarl.models.megatron.builder import build_model
 from megarl.parallel_state import megatron_groups
 from megarl.resharding import sync_weights
 from megarl.resharding.adapter_sync import push_weights
-from megarl.rollout import vllm_lora
-from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.rollout.vllm import lora as vllm_lora
+from megarl.rollout.vllm.engine import VLLMEngine
 
 
 def _per_rank(mine: dict, world: int) -> list:

@@ -14,8 +14,8 @@ from megarl.algos.advantage_step import advantage_step
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS, WHITENED_BY_DEFAULT
 from megarl.batch.rollout_batch import RolloutBatch
 from megarl.critic.config import CriticConfig
+from megarl.planning.config import AlgoConfig, ModelConfig, RunConfig
 from megarl.rollout.config import DataConfig, GenerationConfig
-from megarl.trainer.config import AlgoConfig, ModelConfig, RunConfig
 from megarl.trainer.loop import with_advantages
 from tests.test_algos_advantages import (
     GROUP_IDS,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megarl.algos.staleness import sequence_lags, staleness_metrics, token_lags
-from megarl.trainer.config import RunConfig
-from megarl.trainer.typed_config import build
+from megarl.planning.config import RunConfig
+from megarl.planning.typed_config import build
 
 
 def _reference(versions, mask, trainer_version, old, rollout):

@@ -9,13 +9,15 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "megarl"
 
 # A package may import from packages on lower layers only (and from itself).
 LAYERS = {
-    "algos": 0, "batch": 0, "parallel_state": 0, "plugins": 0,
-    "models": 1, "rewards": 1,
-    "rollout": 2,
-    "actor": 3, "evaluation": 3,
-    "critic": 4, "resharding": 4,
-    "checks": 5, "demo": 5,
-    "trainer": 6,
+    "algos": 0, "batch": 0, "platform": 0, "plugins": 0,
+    "parallel_state": 1,
+    "models": 2, "rewards": 2,
+    "rollout": 3,
+    "actor": 4, "evaluation": 4,
+    "critic": 5, "resharding": 5,
+    "checks": 6, "demo": 6, "planning": 6,
+    "rollout_ranks": 7,
+    "trainer": 8,
 }
 ADAPTER = PACKAGE / "parallel_state" / "megatron_groups.py"
 

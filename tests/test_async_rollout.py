@@ -241,7 +241,7 @@ def test_a_lora_actor_pushes_its_adapters_alone_to_the_rollout_rank(tail_inputs,
     """Rank-4 LoRA with the engine on a rank of its own (staleness 0: every step's samples come
     from the newest push), two runs side by side: the dense Qwen2, whose engine serves the adapters
     from vLLM's LoRA slots, and the demo's MoE model (max_new_tokens 3), whose engine merges them
-    into its weights from the base it kept (rollout/vllm_merge.py). In both, after the first push
+    into its weights from the base it kept (rollout/vllm/merge.py). In both, after the first push
     (the base, once) the trainer sends the adapters alone over the bridge, as many bytes as the
     run's final PEFT folder holds; every step's tokens get back the engine's log-probs from the
     trainer (< 1e-4), so the engine generates with what the actor trains."""

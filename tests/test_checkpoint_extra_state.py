@@ -1,12 +1,12 @@
 """A Megatron checkpoint written from either layer spec loads into a model built with the other:
 Transformer Engine's `_extra_state` (fp8 metadata) is tolerated where one side lacks it, while
-any other key on one side only is refused by name (megarl.models.checkpoint.load)."""
+any other key on one side only is refused by name (megarl.models.weights.checkpoint.load)."""
 
 import random
 
 import pytest
 
-from megarl.models.checkpoint import drop_absent_extra_state
+from megarl.models.weights.checkpoint import drop_absent_extra_state
 from tests.launch import last_json, run
 
 WEIGHTS = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight",

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from megarl.models import checkpoint
-from megarl.models.safetensors_reader import SafetensorsReader
+from megarl.models.hf.safetensors_reader import SafetensorsReader
+from megarl.models.weights import checkpoint
 from tests.launch import finish, start
 
 

@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from megarl.trainer.config import LayoutConfig, RunConfig
+from megarl.planning.config import LayoutConfig, RunConfig
 
 KEYS = [
     "run_dir", "steps", "seed", "offload_params", "collective_timeout_s",

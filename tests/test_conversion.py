@@ -122,7 +122,7 @@ def odd_converted(hf_models, tmp_path_factory):
 def test_each_rank_reads_only_its_share(hf_models, odd_converted):
     """Each rank reads the HF tensors of its own stage's layers, the first stage (embedding and
     layer 0) being the smaller, and no other."""
-    from megarl.models.safetensors_reader import SafetensorsReader
+    from megarl.models.hf.safetensors_reader import SafetensorsReader
 
     _, result = odd_converted
     assert (result["layout"]["pp"], result["layout"]["first_stage_layers"]) == (2, 1)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from megarl.parallel_state import cpu_compat
+from megarl.platform import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="shims are off with CUDA")
 

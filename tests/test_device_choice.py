@@ -1,11 +1,11 @@
-"""GPU or CPU, never by a silent fallback (megarl/parallel_state/device_choice.py): the choice for
+"""GPU or CPU, never by a silent fallback (megarl/platform/device_choice.py): the choice for
 every combination of MEGARL_DEVICE and what the machine has, and this machine's own choice.
 (Transformer Engine's choice: tests/test_transformer_engine_choice.py.)"""
 
 import pytest
 
-from megarl.parallel_state import device_choice
-from megarl.parallel_state.device_choice import choose
+from megarl.platform import device_choice
+from megarl.platform.device_choice import choose
 
 GPU = dict(cuda_available=True, gpu_present=True, nccl_available=True, torch_version="2.13.0+cu130")
 CPU_BOX = dict(cuda_available=False, gpu_present=False, nccl_available=False, torch_version="2.13.0+cpu")

@@ -4,7 +4,7 @@ pages (mmap, every page written), so what earlier tests left in the allocator ca
 
 import mmap
 
-from megarl.parallel_state import device_memory
+from megarl.platform import device_memory
 
 MIB = 2**20
 

@@ -8,10 +8,10 @@ import transformers
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.evaluation.config import EvalConfig, EvalSetConfig
 from megarl.evaluation.sets import HeldOut, load_sets
+from megarl.planning.config import RunConfig
+from megarl.planning.typed_config import load
 from megarl.rewards.functions import RewardTable
 from megarl.rewards.scorer import Scorer
-from megarl.trainer.config import RunConfig
-from megarl.trainer.typed_config import load
 
 
 @pytest.mark.parametrize("overrides, message", [

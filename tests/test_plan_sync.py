@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from megarl.models.hf_config import load_arch
+from megarl.models.hf.config import load_arch
 from megarl.resharding import cluster_plan as cp
 from tests.launch import last_json, load_script, start
 from tests.test_weight_sync import CASES as SYNC_CASES

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from megarl.models.destination import DestTensor, Region, RolloutLayout, vllm_layout
-from megarl.models.hf_config import ModelArch
+from megarl.models.hf.config import ModelArch
+from megarl.models.weights.destination import DestTensor, Region, RolloutLayout, vllm_layout
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import cluster_plan as cp
 from megarl.resharding import gpu_kinds

@@ -11,7 +11,7 @@ import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megarl.models.portable_layers import PortableCoreAttention
+from megarl.models.megatron.portable_layers import PortableCoreAttention
 
 F = torch.nn.functional
 

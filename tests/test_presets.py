@@ -1,4 +1,4 @@
-"""Every file in configs/ passes the run's own preflight (megarl/trainer/preflight.py), which the
+"""Every file in configs/ passes the run's own preflight (megarl/planning/preflight.py), which the
 training script applies before any process starts. The GPU cluster presets: each loads as a
 RunConfig, and its layout, rollout engines and batch sizes fit the real model it is for, stood in
 by the model's published config.json (no weights), plus the shape of 8-GPU nodes; broken
@@ -18,17 +18,17 @@ import torch
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.demo.task_inputs import write_task_inputs
-from megarl.models.destination import hf_tensors
-from megarl.models.hf_config import load_arch
-from megarl.models.megatron_config import check_te_dtype, gpu_switches, transformer_config
-from megarl.parallel_state import device_choice
+from megarl.models.hf.config import load_arch
+from megarl.models.megatron.config import check_te_dtype, gpu_switches, transformer_config
+from megarl.models.weights.destination import hf_tensors
 from megarl.parallel_state.dims import ParallelDims
-from megarl.rollout import vllm_engine
-from megarl.rollout.vllm_engine import rollout_groups
-from megarl.trainer import memory_plan, memory_record
-from megarl.trainer.config import RunConfig
-from megarl.trainer.preflight import preflight
-from megarl.trainer.typed_config import load
+from megarl.planning import memory_plan, memory_record
+from megarl.planning.config import RunConfig
+from megarl.planning.preflight import preflight
+from megarl.planning.typed_config import load
+from megarl.platform import device_choice
+from megarl.rollout.vllm import engine as vllm_engine
+from megarl.rollout.vllm.engine import rollout_groups
 from tests.published_configs import DEEPSEEK_V3, GLM45_AIR, MIXTRAL_8X7B, QWEN3_30B_A3B, QWEN3_235B_A22B
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
@@ -216,7 +216,7 @@ UNAIDED = ("actor.recompute.granularity=none", "actor.recompute.method=null",
 @functools.lru_cache(maxsize=None)
 def margin() -> float:
     """The headroom a preset needs: the plan's worst error against what a GPU measured
-    (docs/gpu/h200_2026-11-28.json, replayed like for like by trainer/memory_record.py) plus 5%,
+    (docs/gpu/h200_2026-11-28.json, replayed like for like by planning/memory_record.py) plus 5%,
     and never under 10%."""
     return max(0.10, memory_record.worst_error(memory_record.load()) + 0.05)
 

@@ -18,8 +18,8 @@ from megarl.actor.config import ActorConfig
 from megarl.actor.optimizer import OptimConfig, OptimizerOffloadConfig, offload_fields
 from megarl.critic.config import CriticConfig
 from megarl.demo.tiny_checkpoint import make_named
-from megarl.models.hf_config import arch_from_hf_config, load_hf_config
-from megarl.models.megatron_config import RecomputeConfig, recompute_fields, transformer_config
+from megarl.models.hf.config import arch_from_hf_config, load_hf_config
+from megarl.models.megatron.config import RecomputeConfig, recompute_fields, transformer_config
 from megarl.parallel_state.dims import ParallelDims
 from tests.launch import last_json, run
 

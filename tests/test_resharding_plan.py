@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from megarl.models import weight_tables
-from megarl.models.destination import VLLM_VOCAB_PADDING, RolloutLayout, hf_tensors, vllm_layout
-from megarl.models.hf_config import ModelArch
-from megarl.models.param_layout import ParamSlot, local_shard
+from megarl.models.hf.config import ModelArch
+from megarl.models.megatron.param_layout import ParamSlot, local_shard
+from megarl.models.weights import tables as weight_tables
+from megarl.models.weights.destination import VLLM_VOCAB_PADDING, RolloutLayout, hf_tensors, vllm_layout
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import metadata, sync
 from megarl.resharding.plan import Piece, build_plan

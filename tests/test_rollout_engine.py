@@ -5,12 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from megarl.planning.config import RunConfig
+from megarl.planning.typed_config import load
 from megarl.rollout.engine import Placement, SamplingConfig, sample_seed
 from megarl.rollout.shares import share
-from megarl.rollout.vllm_engine import rollout_groups
-from megarl.trainer.config import RunConfig
-from megarl.trainer.rollout_source import step_sampling
-from megarl.trainer.typed_config import load
+from megarl.rollout.vllm.engine import rollout_groups
+from megarl.rollout_ranks.dynamic_sampling import step_sampling
 
 
 def test_sampling_parameters_reach_vllm(engine_checks):

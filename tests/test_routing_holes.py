@@ -12,10 +12,10 @@ import torch
 
 from megarl.actor.packing import pack
 from megarl.actor.router_replay import replay_targets
-from megarl.models.hf_config import arch_from_hf_config
+from megarl.models.hf.config import arch_from_hf_config
 from megarl.rollout.collect import to_batch
 from megarl.rollout.engine import RolloutSample
-from megarl.rollout.vllm_routing import routing_of
+from megarl.rollout.vllm.routing import routing_of
 from tests.published_configs import DEEPSEEK_V3
 
 ARCH = arch_from_hf_config(DEEPSEEK_V3)  # 61 layers, the first 3 dense; top-8 of 256 experts

@@ -1,8 +1,8 @@
 """Rollout routing replay (R3) end to end: a bf16 MoE trained at EP2, synced into vLLM at rollout
-TP2, the engine returning each token's experts (megarl/rollout/vllm_routing.py), the actor
+TP2, the engine returning each token's experts (megarl/rollout/vllm/routing.py), the actor
 scoring the samples with router replay off and rollout (scripts/verify_sync.py --routing). Both
 sides route in fp32 (model.router_fp32's default): the engine's gates too, though vLLM builds
-Qwen3-MoE's in the model's dtype (megarl/rollout/vllm_fp32_router.py).
+Qwen3-MoE's in the model's dtype (megarl/rollout/vllm/fp32_router.py).
 
 With R3 the actor routes every token through the engine's experts: the fraction of (token,
 layer) pairs routed differently is exactly 0, and the largest log-prob difference is no larger

@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
-from megarl.models import weight_tables
-from megarl.models.hf_config import ModelArch
-from megarl.models.megatron_config import padded_vocab_size
+from megarl.models.hf.config import ModelArch
+from megarl.models.megatron.config import padded_vocab_size
+from megarl.models.weights import tables as weight_tables
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.source_layout import layout_pieces, rank_coords
 

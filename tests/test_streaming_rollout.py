@@ -36,7 +36,7 @@ def two_versions(hf_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(two_versions):
-    from megarl.rollout.vllm_engine import VLLMEngine
+    from megarl.rollout.vllm.engine import VLLMEngine
 
     engine = VLLMEngine(two_versions[0], load_format="auto", max_model_len=64)
     yield engine

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megarl.trainer.config import TRACKER_PACKAGES, LoggerConfig
+from megarl.planning.config import TRACKER_PACKAGES, LoggerConfig
 from megarl.trainer.metrics import MetricsLog
 from megarl.trainer.trackers import mlflow_key
 from tests.tracker_files import jsonl, mlflow_names, mlflow_runs, same, series, tensorboard, wandb_runs
@@ -93,9 +93,9 @@ def test_a_tracker_that_does_not_import_is_refused_first_naming_the_install():
     """Each package hidden from the import system (as if not installed): preflight refuses the run
     before it reads the model (whose folder does not exist), naming the pinned install and the key."""
     code = ("import sys; sys.modules['wandb'] = sys.modules['mlflow'] = None\n"
-            "from megarl.trainer.config import RunConfig\n"
-            "from megarl.trainer.preflight import preflight\n"
-            "from megarl.trainer.typed_config import load\n"
+            "from megarl.planning.config import RunConfig\n"
+            "from megarl.planning.preflight import preflight\n"
+            "from megarl.planning.typed_config import load\n"
             "for name in ('wandb', 'mlflow'):\n"
             "    try:\n"
             "        preflight(load(RunConfig, overrides=['model.hf_dir=/nonexistent',"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megarl.models import checkpoint
+from megarl.models.weights import checkpoint
 from megarl.trainer import checkpoint as trainer_checkpoint
 
 

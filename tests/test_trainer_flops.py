@@ -10,8 +10,8 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from megarl.models.hf_config import arch_from_hf_config
-from megarl.trainer.flops import (
+from megarl.models.hf.config import arch_from_hf_config
+from megarl.planning.flops import (
     Phase,
     attention_flops,
     forward_flops,

@@ -9,9 +9,11 @@ import socket
 
 import pytest
 
-from megarl.models.megatron_config import gpu_switches
-from megarl.parallel_state import no_te_compat
-from megarl.parallel_state.device_choice import (
+from megarl.models.megatron.config import gpu_switches
+from megarl.planning.config import ModelConfig
+from megarl.planning.typed_config import load
+from megarl.platform import no_te_compat
+from megarl.platform.device_choice import (
     choose_transformer_engine,
     node_lines,
     set_transformer_engine,
@@ -19,8 +21,6 @@ from megarl.parallel_state.device_choice import (
     spec_refusal,
     te_off_line,
 )
-from megarl.trainer.config import ModelConfig
-from megarl.trainer.typed_config import load
 from tests.launch import finish, start
 
 NO_TE = "ModuleNotFoundError: No module named 'transformer_engine'"

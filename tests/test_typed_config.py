@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from megarl.actor.config import ActorConfig
-from megarl.trainer.typed_config import build, load
+from megarl.planning.typed_config import build, load
 
 
 @dataclass(frozen=True)

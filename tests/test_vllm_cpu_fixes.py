@@ -7,8 +7,7 @@ import torch
 
 @pytest.fixture
 def eager():
-    from megarl.rollout import vllm_cpu_fixes
-
+    from megarl.rollout.vllm import cpu_fixes as vllm_cpu_fixes
     vllm_cpu_fixes.eager_helpers()
     yield
     torch.compiler.set_stance("default")

@@ -199,8 +199,7 @@ def test_incomplete_update_is_refused(engine_checks):
 def test_stale_shared_memory_segments_are_removed(tmp_path):
     import mmap
 
-    from megarl.rollout import vllm_cpu_fixes
-
+    from megarl.rollout.vllm import cpu_fixes as vllm_cpu_fixes
     stale = os.path.join(vllm_cpu_fixes.SHM_DIR, "megarl-test-stale-cpushm")
     live = os.path.join(vllm_cpu_fixes.SHM_DIR, "megarl-test-live-cpushm")
     for path in (stale, live):
@@ -221,8 +220,7 @@ def test_a_killed_run_does_not_break_the_next(hf_models):
     import sys
     import time
 
-    from megarl.rollout import vllm_cpu_fixes
-
+    from megarl.rollout.vllm import cpu_fixes as vllm_cpu_fixes
     args = ["--hf-dir", hf_models["qwen3"], "--tp", "2", "--rollout-tp", "2"]
     victim = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megarl.models import weight_transforms as wt
-from megarl.models.param_layout import ParamSlot, join_shards, local_shard
+from megarl.models.megatron.param_layout import ParamSlot, join_shards, local_shard
+from megarl.models.weights import transforms as wt
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (4, 4), (8, 2)])

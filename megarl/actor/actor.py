@@ -24,7 +24,7 @@ from megarl.algos.kl import kl as kl_estimate
 from megarl.algos.policy_losses import POLICY_LOSSES
 from megarl.algos.vocab_parallel import logprobs_and_entropy
 from megarl.batch.rollout_batch import RolloutBatch
-from megarl.models.hf_config import ModelArch
+from megarl.models.hf.config import ModelArch
 from megarl.parallel_state import megatron_groups
 
 METRICS = ("loss", "policy_loss", "entropy", "kl", "clip_fraction")

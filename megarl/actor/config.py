@@ -13,8 +13,8 @@ from megarl.algos.aggregation import AGGREGATIONS
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.algos.policy_losses import DEFAULT_AGGREGATION, POLICY_LOSSES
 from megarl.algos.rollout_correction import PRESETS, Correction
-from megarl.models.lora import LoraConfig
-from megarl.models.megatron_config import RecomputeConfig
+from megarl.models.lora.adapters import LoraConfig
+from megarl.models.megatron.config import RecomputeConfig
 
 NORMED = "seq-mean-token-sum-norm"  # the aggregation that needs norm_tokens
 

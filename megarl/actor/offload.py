@@ -29,7 +29,7 @@ import torch
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from megarl.actor.optimizer import TrainState
-from megarl.parallel_state import device_choice
+from megarl.platform import device_choice
 from megarl.rollout.engine import RolloutEngine
 
 

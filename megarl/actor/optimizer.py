@@ -25,7 +25,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.actor.packing import PackedMicroBatch
 from megarl.actor.schedule import run_micro_batches
-from megarl.parallel_state import device_choice
+from megarl.platform import device_choice
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 # Adam moment dtypes of Megatron's precision-aware optimizer (Megatron-LM's --exp-avg-dtype: fp8

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from megarl.models.portable_layers import cp_positions
+from megarl.models.megatron.portable_layers import cp_positions
 
 
 def balanced_partition(weights: List[int], parts: int) -> List[List[int]]:

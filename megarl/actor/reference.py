@@ -12,8 +12,8 @@ from typing import Dict, List
 
 import torch
 
-from megarl.models.param_layout import WEIGHT_BUFFERS
-from megarl.parallel_state import device_choice
+from megarl.models.megatron.param_layout import WEIGHT_BUFFERS
+from megarl.platform import device_choice
 
 
 def _named_parameters(chunks: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:

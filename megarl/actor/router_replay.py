@@ -54,7 +54,7 @@ def replay_targets(rows: torch.Tensor,  # [n, W, k] one MoE layer's routing of m
             f"of its {int(mb.lengths[row])}, MoE layer {layer}; {int(missing.sum())} tokens of "
             "this micro-batch lack them there. With actor.router_replay=rollout the engine did not "
             "capture them (vLLM's capture must be bound before CUDA-graph capture: "
-            "megarl/rollout/vllm_routing.py); megarl refuses to route them through arbitrary experts")
+            "megarl/rollout/vllm/routing.py); megarl refuses to route them through arbitrary experts")
     packed = pack_tokens(rows, mb, -1)[mb.local_index]  # [t/cp, k]
     # Left -1 now: padding, and a sample's last token (the engine never feeds it back). Any valid
     # distinct experts do there: nothing downstream reads their output.

@@ -15,8 +15,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_attr_wrapped_model
 
 from megarl.actor.packing import PackedMicroBatch, local_positions
-from megarl.models import expert_bias
-from megarl.models.portable_layers import gather_from_context_parallel
+from megarl.models.megatron import expert_bias
+from megarl.models.megatron.portable_layers import gather_from_context_parallel
 from megarl.parallel_state import megatron_groups
 
 

@@ -217,7 +217,7 @@ def working_bytes(tokens: int, vocab_shard: int, logits_bytes: int, backward: bo
     """Pure: the most bytes logprobs_and_entropy allocates beyond the logits it is given [tokens,
     vocab_shard] of `logits_bytes` each, with the kernels `device` runs (kernels_for): with
     `backward`, the logits' gradient in their own dtype; the per-token statistics; and the eager
-    kernels' fp32 [chunk, V/tp] buffers (the memory planner's log-prob term, trainer/memory_plan.py)."""
+    kernels' fp32 [chunk, V/tp] buffers (the memory planner's log-prob term, planning/memory_plan.py)."""
     kernels = kernels_for(torch.device(device))
     compute = max(logits_bytes, 4)
     statistics = tokens * 8 * compute  # [N, 4] local, [N, 4] combined

@@ -16,8 +16,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from megarl.models.hf_config import ModelArch, load_hf_config
-from megarl.models.safetensors_reader import SafetensorsReader
+from megarl.models.hf.config import ModelArch, load_hf_config
+from megarl.models.hf.safetensors_reader import SafetensorsReader
 from megarl.resharding.hf_export import export_hf
 
 

@@ -24,10 +24,11 @@ from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.actor.optimizer import OptimConfig
 from megarl.batch.rollout_batch import RolloutBatch
-from megarl.models import checkpoint, peft_io
-from megarl.models.builder import build_model
-from megarl.models.hf_config import ModelArch, arch_from_hf_config
-from megarl.models.hf_io import gather_hf_tensors
+from megarl.models.hf.config import ModelArch, arch_from_hf_config
+from megarl.models.hf.weights_io import gather_hf_tensors
+from megarl.models.lora import peft_io
+from megarl.models.megatron.builder import build_model
+from megarl.models.weights import checkpoint
 from megarl.parallel_state.dims import ParallelDims
 
 

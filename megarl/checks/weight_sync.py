@@ -17,9 +17,10 @@ import torch.distributed as dist
 from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.algos import mismatch
-from megarl.models import peft_io, weight_tables
-from megarl.models.hf_config import ModelArch, load_hf_config
-from megarl.models.param_layout import weight_slots
+from megarl.models.hf.config import ModelArch, load_hf_config
+from megarl.models.lora import peft_io
+from megarl.models.megatron.param_layout import weight_slots
+from megarl.models.weights import tables as weight_tables
 from megarl.parallel_state import megatron_groups
 from megarl.rollout.collect import to_batch
 from megarl.rollout.completion import Completion

@@ -7,7 +7,7 @@ from typing import Optional
 
 from megarl.actor.config import BatchingConfig, check_aggregation
 from megarl.actor.optimizer import OptimConfig, OptimizerOffloadConfig, check_offload
-from megarl.models.megatron_config import RecomputeConfig
+from megarl.models.megatron.config import RecomputeConfig
 
 
 @dataclass(frozen=True)

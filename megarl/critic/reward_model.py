@@ -23,11 +23,11 @@ from megarl.actor.config import BatchingConfig
 from megarl.actor.passes import local_micro_batches
 from megarl.actor.schedule import forward_only_result, full_pack, run_micro_batches, share_rows
 from megarl.batch.rollout_batch import RolloutBatch
-from megarl.models import weight_tables
-from megarl.models.builder import build_model
-from megarl.models.hf_config import load_hf_config, reward_model_arch
-from megarl.models.hf_io import load_hf_weights
-from megarl.models.safetensors_reader import SafetensorsReader
+from megarl.models.hf.config import load_hf_config, reward_model_arch
+from megarl.models.hf.safetensors_reader import SafetensorsReader
+from megarl.models.hf.weights_io import load_hf_weights
+from megarl.models.megatron.builder import build_model
+from megarl.models.weights import tables as weight_tables
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import Request

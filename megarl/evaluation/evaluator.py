@@ -54,7 +54,7 @@ def evaluate(driver: TurnDriver, producer: SampleProducer, prompts_by_set: Mappi
 def scored_rows(name: str, prompts: Sequence[Prompt], samples: Sequence[RolloutSample], tokenizer,
                 scorer: Scorer) -> List[EvalRow]:
     """Set `name`'s samples (of `prompts`, by prompt_index) scored by `scorer`, as EvalRows: also
-    how rollout ranks of their own score their evaluations (trainer/rollout_evaluation.py).
+    how rollout ranks of their own score their evaluations (rollout_ranks/evaluation.py).
     Collective (the Scorer's)."""
     rewards = scored(list(samples), list(prompts), tokenizer, scorer).batch.rewards.tolist()
     return [EvalRow(name, prompts[s.prompt_index].data_source, s.prompt_index, reward,

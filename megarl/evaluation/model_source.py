@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megarl.models.checkpoint import ASSETS_DIR, MODEL_FILE, read_model_file
-from megarl.models.hf_config import load_hf_config
+from megarl.models.hf.config import load_hf_config
+from megarl.models.weights.checkpoint import ASSETS_DIR, MODEL_FILE, read_model_file
 
 HF, MEGATRON = "hf", "megatron"
 # A folder with one of these holds a tokenizer AutoTokenizer loads.

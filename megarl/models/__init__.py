@@ -1,2 +1,3 @@
-"""Models: HF config -> ModelArch -> Megatron TransformerConfig and layer spec, the policy and
-value models, weight-name tables and transforms, HF and Megatron checkpoint I/O and conversion."""
+"""Models, by concern: Hugging Face checkpoints and ModelArch (hf/), the Megatron-Core models
+(megatron/), weight-name tables, conversion and checkpoints (weights/), LoRA (lora/), and the memory
+a model will hold (memory/)."""

@@ -17,8 +17,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.parallel_state import cpu_compat, device_choice, no_te_compat
 from megarl.parallel_state.dims import ParallelDims
+from megarl.platform import cpu_compat, device_choice, no_te_compat
 
 
 def backend() -> str:
@@ -107,7 +107,7 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
 def fake_world(dims: ParallelDims, rank: int) -> Iterator[None]:
     """Within the block this process is rank `rank` of a world of dims.world_size with Megatron's
     groups for `dims`, and no peers: torch's fake backend answers every collective without
-    communicating. For building a rank's model on the meta device (models/held_params.py) before
+    communicating. For building a rank's model on the meta device (models/memory/held_params.py) before
     any real process group exists; refused inside a running job, whose groups it would replace."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -6,9 +6,9 @@ gets its own torch.distributed default world over its own ranks, so Megatron-Cor
 are built over the default world) and vLLM's external launcher (which joins it) each see exactly
 their own ranks, unchanged. Both roles also join a bridge group over all ranks (bridge rank ==
 global rank: trainers first), which carries the weight pushes (megarl.resharding over Links), and
-share the launcher's key-value store, which carries rollouts and control (rollout_channel.py).
+share the launcher's key-value store, which carries rollouts and control (rollout_ranks/channel.py).
 
-A rollout rank's engine runs in a child process of the launcher's (engine_supervisor.py), so a
+A rollout rank's engine runs in a child process of the launcher's (rollout_ranks/supervisor.py), so a
 dead engine can be replaced: each replacement is a new generation, with a rollout world and a
 bridge of its own (the trainers join the new bridge when they see the generation change).
 
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl.parallel_state import device_choice, megatron_groups
+from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.links import BridgeLinks
+from megarl.platform import device_choice
 
 TRAINER, ROLLOUT = "trainer", "rollout"
 

@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Sequence, Tuple
 
-from megarl.models.hf_config import DTYPES, ModelArch
-from megarl.models.lora import KINDS, LoraConfig, chosen_kinds, full_shapes, kind_of, split_dim
-from megarl.models.weight_tables import entry_for
+from megarl.models.hf.config import DTYPES, ModelArch
+from megarl.models.lora.adapters import KINDS, LoraConfig, chosen_kinds, full_shapes, kind_of, split_dim
+from megarl.models.weights.tables import entry_for
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.cluster_plan import round_phases
 from megarl.resharding.source_layout import layout_pieces

@@ -9,7 +9,7 @@ itself, else one on its node) to each rank of the destination, point to point ov
 Links (all of one rank's parts for one peer in one message per dtype), and is counted by the
 transport (transport.Traffic) as it is posted. Each destination rank ends up with every adapter
 tensor whole, which vLLM cuts for its own tensor parallelism when it loads them into a slot
-(vllm_lora.py), or the engine when it merges them (vllm_merge.py).
+(rollout/vllm/lora.py), or the engine when it merges them (rollout/vllm/merge.py).
 """
 
 import math
@@ -19,8 +19,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megarl.models import peft_io
-from megarl.models.hf_config import ModelArch
+from megarl.models.hf.config import ModelArch
+from megarl.models.lora import peft_io
 from megarl.parallel_state.links import Links, WorldLinks
 from megarl.resharding import adapter_plan, transport
 from megarl.resharding.sync import DEFAULT_BUCKET_BYTES, SyncReport, node_of_ranks, sync_weights

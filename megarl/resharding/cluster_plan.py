@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
-from megarl.models.destination import RolloutLayout, check_rollout, vllm_layout
-from megarl.models.hf_config import DTYPES, ModelArch, arch_from_hf_config
+from megarl.models.hf.config import DTYPES, ModelArch, arch_from_hf_config
+from megarl.models.weights.destination import RolloutLayout, check_rollout, vllm_layout
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import gpu_kinds, metadata
 from megarl.resharding.plan import Plan, build_plan

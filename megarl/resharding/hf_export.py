@@ -11,7 +11,7 @@ to write its file. Memory: one bucket on the device (the plan's bound, plan.peak
 memory planner books for the export) and, while its file is written, on the host; never the
 whole model. Staging in the transport instead would let it take off-device targets again.
 Writes into OUT.partial and renames it when the index, config and tokenizer files (and the
-untrained MTP layers, copied from the source checkpoint: mtp_weights.py) are in place; MTP
+untrained MTP layers, copied from the source checkpoint: models/weights/mtp.py) are in place; MTP
 layers the source declares but lacks stay absent, and the export says so through `say`.
 Does not own the Megatron-checkpoint path (convert.py) or choosing when to export (the loop).
 """
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from megarl.models import mtp_weights
-from megarl.models.checkpoint import TOKENIZER_FILES
-from megarl.models.hf_config import ModelArch
+from megarl.models.hf.config import ModelArch
+from megarl.models.weights import mtp as mtp_weights
+from megarl.models.weights.checkpoint import TOKENIZER_FILES
 from megarl.parallel_state.links import Links, WorldLinks
 from megarl.resharding.sync import sync_weights
 from megarl.rollout.engine import WeightLayout, WeightUpdateReport

@@ -1,6 +1,6 @@
 """What this rank holds, as resharding Pieces, and the full-model tensor names to expect.
 
-Owns the bridge from megarl.models.param_layout (local slots) to the pure plan: per-rank
+Owns the bridge from megarl.models.megatron.param_layout (local slots) to the pure plan: per-rank
 pieces are exchanged once per run with one all_gather_object (metadata only, no tensors), over
 the sync's Links (parallel_state/links.py).
 """
@@ -11,9 +11,10 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from megarl.models import lora, weight_tables
-from megarl.models.hf_config import ModelArch
-from megarl.models.param_layout import weight_slots
+from megarl.models.hf.config import ModelArch
+from megarl.models.lora import adapters as lora
+from megarl.models.megatron.param_layout import weight_slots
+from megarl.models.weights import tables as weight_tables
 from megarl.parallel_state.links import Links
 from megarl.resharding.plan import Piece
 

@@ -2,7 +2,7 @@
 of which rank, in which bucket.
 
 Pure and deterministic: a function of the pieces every training rank holds (metadata.py, or
-source_layout.py without any weights), of every destination rank's tensors (models/destination.py), of
+source_layout.py without any weights), of every destination rank's tensors (models/weights/destination.py), of
 the bucket size and of which node each rank is on. Built once per layout and weights' shapes
 (sync.rank_plan keeps each rank's share; this module caches nothing: its inputs are millions of
 objects, too many to hash on every sync); testable with fake metadata, no processes; the cluster
@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megarl.models.destination import DestTensor
-from megarl.models.hf_config import DTYPES
+from megarl.models.hf.config import DTYPES
+from megarl.models.weights.destination import DestTensor
 
 _BYTES = {str(dtype): dtype.itemsize for dtype in DTYPES.values()}  # keyed like Piece.dtype
 DIRECT_BYTES = 256 * 2**10
@@ -111,7 +111,7 @@ def peak_bound(tensors: Sequence[DestTensor], bucket_bytes: int, itemsize: int) 
     receives `tensors` (its destination tensors): a bucket's opened tensors, at most bucket_bytes
     or one larger module (_engine_buckets), plus one round's buffers, at most bucket_bytes or one
     larger copy (_rounds), and no copy is larger than a module. The memory planner's sync and
-    export term (trainer/memory_plan.py); planning the copies themselves takes minutes at 671B."""
+    export term (planning/memory_plan.py); planning the copies themselves takes minutes at 671B."""
     modules: Dict[str, int] = {}
     for t in tensors:
         modules[t.module] = modules.get(t.module, 0) + t.numel * itemsize

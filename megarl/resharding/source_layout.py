@@ -17,9 +17,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from megarl.models import weight_tables
-from megarl.models.hf_config import DTYPES, ModelArch
-from megarl.models.megatron_config import padded_vocab_size, transformer_config
+from megarl.models.hf.config import DTYPES, ModelArch
+from megarl.models.megatron.config import padded_vocab_size, transformer_config
+from megarl.models.weights import tables as weight_tables
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.plan import Piece
 

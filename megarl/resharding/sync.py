@@ -17,10 +17,10 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
-from megarl.models import destination
-from megarl.models.hf_config import ModelArch
-from megarl.parallel_state import device_memory
+from megarl.models.hf.config import ModelArch
+from megarl.models.weights import destination
 from megarl.parallel_state.links import Links, WorldLinks
+from megarl.platform import device_memory
 from megarl.resharding import metadata, transport
 from megarl.resharding.plan import Copy, Plan, build_plan
 from megarl.rollout.engine import WeightDestination, WeightLayout, check_update
@@ -51,7 +51,7 @@ class SyncReport:
     peak_extra_bytes: int     # planned: most memory the sync allocated at once on this rank
                               # (send and receive buffers, plus the opened engine tensors)
     measured_peak_bytes: int  # measured: this rank's peak extra memory during the sync, the
-                              # engine's own processing included (parallel_state/device_memory.py)
+                              # engine's own processing included (platform/device_memory.py)
     model_bytes: int          # every full tensor of the model once
     largest_tensor_bytes: int  # this rank's largest destination module (opened at once)
 

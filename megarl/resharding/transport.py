@@ -20,7 +20,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from megarl.models.hf_config import DTYPES
+from megarl.models.hf.config import DTYPES
 from megarl.parallel_state.links import Links, Transfer
 from megarl.resharding.plan import Copy
 

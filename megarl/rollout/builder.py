@@ -1,11 +1,11 @@
 """The one builder of a run's rollout side: the tokenizer, the training prompts, the vLLM engine
 and the SampleProducer, made from the same settings and in the same order for colocated engines
-(trainer/loop.py's setup) and for rollout ranks of their own (trainer/rollout_server.py's serve);
+(trainer/loop.py's setup) and for rollout ranks of their own (rollout_ranks/server.py's serve);
 and the one call that loads the training prompts, which preflight checks with.
 
 Owns what the rollout side is made of and from which settings. Does not own when it is built (a
 colocated one before any model, its engine then put to sleep by setup), the engine
-(vllm_engine.py), the producers (producer.py) or the prompt format (prompts.py).
+(rollout/vllm/engine.py), the producers (producer.py) or the prompt format (prompts.py).
 """
 
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from typing import Any
 from megarl.rollout.config import DataConfig, EngineSpec, GenerationConfig
 from megarl.rollout.producer import SampleProducer, load_producer
 from megarl.rollout.prompts import PromptSet, load_prompts
-from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.rollout.vllm.engine import VLLMEngine
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The rollout side's sections of a run's config: the prompt data (`data`), generation
 (`generation`) and asynchronous rollouts (`async`), beside the rollout code that reads them; and
 EngineSpec, the engine settings a run derives from its other sections. Typed and validated when
-built (megarl.trainer.typed_config), before any process starts.
-Does not own the run's config as a whole (megarl/trainer/config.py composes these sections with
+built (megarl.planning.typed_config), before any process starts.
+Does not own the run's config as a whole (megarl/planning/config.py composes these sections with
 the others) or what reads them (prompts.py, builder.py, turns.py, the trainer's rollout sources).
 """
 
@@ -12,7 +12,7 @@ from typing import Optional
 from megarl.rollout.agent_loop import AgentConfig
 from megarl.rollout.prompts import OVERLONG, RecordKeys
 from megarl.rollout.turns import INTERRUPTS
-from megarl.rollout.vllm_lora import AdapterSpec
+from megarl.rollout.vllm.lora import AdapterSpec
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ class WeightLayout:
     """How a weight destination holds the model: `format` "vllm" (each rank its engine's own
     parameters: fused QKV and gate/up, fused experts, padded vocabulary; engines of `tp`
     consecutive ranks, experts split over an engine's ranks when `ep` == tp) or "hf" (whole HF
-    tensors, on rank 0 only). megarl.models.destination turns it into every rank's tensors.
+    tensors, on rank 0 only). megarl.models.weights.destination turns it into every rank's tensors.
     `first_rank`: the sync's rank of the destination's rank 0 (0 colocated; the first rollout
     rank on the trainer-rollout bridge). `adapters`: the destination takes the actor's LoRA
     adapters alone each sync (AdapterDestination: into LoRA slots, or merged into its weights by

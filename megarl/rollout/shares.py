@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megarl.parallel_state import device_choice
+from megarl.platform import device_choice
 from megarl.rollout.draws import Draw
 from megarl.rollout.engine import Placement, RolloutSample, SamplingConfig, sample_seed
 from megarl.rollout.producer import SampleProducer

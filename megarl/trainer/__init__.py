@@ -1,4 +1,6 @@
-"""The trainer: the RL loop and everything around it: launching the ranks (torchrun or Ray), the
-run's typed config, preflight checks, checkpoints and resume, metrics, FLOPs and plots. It
-orchestrates the packages below it (actor, critic, rollout, resharding, algos) and computes
-nothing of its own."""
+"""The trainer: the RL loop and what runs it. The loop (loop.py) and its two rollout sources
+(colocated engines: rollout_source.py; rollout ranks of their own: disaggregated_rollouts.py),
+checkpoints and resume, launching the ranks (torchrun or Ray), and observability (metrics, the
+console, plots). It orchestrates the packages below it and computes nothing of its own; run
+planning (the config, preflight, memory plan) is in megarl/planning, the rollout ranks' program in
+megarl/rollout_ranks."""

@@ -1,7 +1,7 @@
 """Trainer checkpoints: everything a run needs to continue exactly where it stopped.
 
 Owns the on-disk layout of `run_dir/checkpoints/step_NNNNNN/`:
-    actor/, critic/         Megatron distributed checkpoints of the weights (megarl.models.checkpoint:
+    actor/, critic/         Megatron distributed checkpoints of the weights (megarl.models.weights.checkpoint:
                             load at any layout, convert to HF with scripts/convert.py megatron-to-hf)
     train_state/rank_R.pt   this rank's optimizer states and main parameters, LR schedules and RNG
                             states (bit-exact resume needs the same layout: checked at load)
@@ -23,10 +23,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.models import checkpoint as model_checkpoint
-from megarl.models import peft_io
-from megarl.parallel_state import device_choice
-from megarl.trainer.config import RunConfig
+from megarl.models.lora import peft_io
+from megarl.models.weights import checkpoint as model_checkpoint
+from megarl.planning.config import RunConfig
+from megarl.platform import device_choice
 
 CHECKPOINTS = "checkpoints"
 TRAINER_FILE = "trainer.json"

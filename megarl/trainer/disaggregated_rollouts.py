@@ -1,20 +1,20 @@
 """The trainer ranks' RolloutSource when the engines run on rollout ranks of their own.
 
 A step reads its finished samples from the channel (generated meanwhile, with weights at most
-async.max_staleness steps old: rollout_server.py) and scores them; a weight push is announced on
+async.max_staleness steps old: rollout_ranks/server.py) and scores them; a weight push is announced on
 the channel, then streamed over the trainer-rollout bridge by the same sync as the colocated
 engines' (megarl.resharding; the trainer ranks are its sources and hold no destination).
 Every sample is checked against the staleness bound and every step's prompts against this rank's
 own sampler, so the data position saved in checkpoints is the one the rollouts really used.
 Held-out evaluations are requested on the channel and run on the rollout ranks between weight
-pushes (rollout_evaluation.py); evaluate() returns at once, except after the last step, and the
+pushes (rollout_ranks/evaluation.py); evaluate() returns at once, except after the last step, and the
 metrics of those finished meanwhile come back from evaluations(), each with the version it
-evaluated. When an engine is replaced (engine_supervisor.py), the trainers join the new
+evaluated. When an engine is replaced (rollout_ranks/supervisor.py), the trainers join the new
 generation's bridge, publish where it starts and push their current weights to it; a push that
 fails because its engine died is pushed again to the replacement (an evaluation it was running is
 run by the replacement). Trainer rank 0 decides each of these turns and tells the others, so all
 trainer ranks take them together.
-Does not own generation (rollout_server.py) or the loss for stale samples (the actor's
+Does not own generation (rollout_ranks/server.py) or the loss for stale samples (the actor's
 rollout_correction, fed each token's own behaviour log-prob).
 """
 
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 
 from megarl.algos.staleness import sequence_lags
-from megarl.models.hf_config import ModelArch
+from megarl.models.hf.config import ModelArch
 from megarl.parallel_state.roles import Role
+from megarl.planning.config import RunConfig
 from megarl.resharding.adapter_sync import push_weights
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.collect import scored
 from megarl.rollout.engine import WeightLayout, WeightUpdateReport
 from megarl.rollout.prompts import Prompt, PromptSampler
-from megarl.trainer.config import RunConfig
-from megarl.trainer.rollout_channel import RolloutChannel, Start
+from megarl.rollout_ranks.channel import RolloutChannel, Start
 from megarl.trainer.rollout_source import Rollouts, step_rollouts
 
 

@@ -18,9 +18,9 @@ Does not own the loop (loop.py).
 import os
 from typing import Optional, Tuple
 
-from megarl.models.destination import RolloutLayout
+from megarl.models.weights.destination import RolloutLayout
+from megarl.planning.config import RunConfig
 from megarl.trainer import console, placement
-from megarl.trainer.config import RunConfig
 from megarl.trainer.worker_env import gloo_interface, node_interfaces, route_address, worker_env
 
 

@@ -3,7 +3,7 @@ generate -> reward -> old/ref log-probs, values -> advantages -> actor/critic up
 
 Every rank runs `train` (SPMD): the processes come from torchrun or from Ray (launch.py). With
 rollout ranks of their own (layout.rollout_world_size), those keep an engine process serving
-rollouts instead (engine_supervisor.py, rollout_server.py) and the rest train. Each phase is one
+rollouts instead (rollout_ranks/supervisor.py, rollout_ranks/server.py) and the rest train. Each phase is one
 named call, timed under its name. It orchestrates and computes nothing itself: where rollouts
 come from is a RolloutSource (colocated: rollout_source.py; disaggregated:
 disaggregated_rollouts.py), how samples are produced a SampleProducer
@@ -28,21 +28,23 @@ from megarl.critic.critic import Critic
 from megarl.critic.reward_model import RewardModel
 from megarl.evaluation.eval_metrics import summary
 from megarl.evaluation.sets import HeldOut
-from megarl.models import checkpoint as model_checkpoint
-from megarl.models import peft_io
-from megarl.models.builder import build_model
-from megarl.models.hf_config import ModelArch, arch_from_hf_config, load_hf_config
-from megarl.models.hf_io import load_hf_weights
-from megarl.models.lora import LoraConfig
-from megarl.parallel_state import device_memory, megatron_groups, roles
+from megarl.models.hf.config import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.models.hf.weights_io import load_hf_weights
+from megarl.models.lora import peft_io
+from megarl.models.lora.adapters import LoraConfig
+from megarl.models.megatron.builder import build_model
+from megarl.models.weights import checkpoint as model_checkpoint
+from megarl.parallel_state import megatron_groups, roles
+from megarl.planning import flops
+from megarl.planning.config import AlgoConfig, RunConfig
+from megarl.platform import device_memory
 from megarl.resharding.hf_export import export_hf
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.builder import RolloutSide, build_rollout_side, load_training_prompts
 from megarl.rollout.prompts import PromptSampler
-from megarl.trainer import checkpoint, console, flops
-from megarl.trainer.config import AlgoConfig, RunConfig
+from megarl.rollout_ranks.supervisor import supervise
+from megarl.trainer import checkpoint, console
 from megarl.trainer.disaggregated_rollouts import DisaggregatedRollouts
-from megarl.trainer.engine_supervisor import supervise
 from megarl.trainer.metrics import MetricsLog, PhaseTimer
 from megarl.trainer.plots import plot_run
 from megarl.trainer.rollout_source import ColocatedRollouts, Rollouts, RolloutSource
@@ -273,7 +275,7 @@ def train(config: RunConfig, resume: Optional[str] = None) -> dict:
         layout = config.layout
         placement = roles.Placement(layout.world_size, layout.rollout_world_size, config.collective_timeout_s)
         if placement.role_of(roles.launcher_rank(placement)) == roles.ROLLOUT:
-            supervise(config, placement)
+            supervise(config, placement, console.say)
             return {}
         role = roles.start(placement, roles.launcher_store(placement))
     run, done = setup(config, resume, role)

@@ -11,8 +11,8 @@ import os
 import time
 from typing import Dict, List, Optional, Tuple
 
+from megarl.planning.config import LoggerConfig
 from megarl.trainer import console
-from megarl.trainer.config import LoggerConfig
 from megarl.trainer.trackers import TRACKERS
 
 

@@ -12,8 +12,8 @@ from megarl.algos import mismatch, rollout_correction, staleness
 from megarl.algos.kl import kl
 from megarl.batch.rollout_batch import RolloutBatch
 from megarl.parallel_state import megatron_groups
+from megarl.planning.config import AlgoConfig
 from megarl.rollout.collect import Collected
-from megarl.trainer.config import AlgoConfig
 from megarl.trainer.metrics import PhaseTimer
 
 

@@ -1,6 +1,6 @@
 """The experiment trackers a run's metrics go to beside metrics.jsonl: TensorBoard, Weights &
 Biases and MLflow, each a small class with the same three calls (open with the run, log one row,
-close), chosen by name from logger.trackers (trainer/config.py's LoggerConfig).
+close), chosen by name from logger.trackers (planning/config.py's LoggerConfig).
 
 Every tracker gets metrics.jsonl's rows: the same names and values at the same step. The one
 exception is MLflow, which refuses some characters in a name (`pass@1`): mlflow_key spells them
@@ -14,7 +14,7 @@ import re
 import time
 from typing import Dict, Optional
 
-from megarl.trainer.config import LoggerConfig
+from megarl.planning.config import LoggerConfig
 
 
 def run_name(run_dir: str, logger: LoggerConfig, first_step: int) -> str:

@@ -5,7 +5,7 @@ GPU node without them is a broken install, not a reason to skip)."""
 import pytest
 import torch
 
-from megarl.parallel_state import install_check
+from megarl.platform import install_check
 
 INSTALL = "make install DEVICE=cuda"
 NO_CUDA = (f"needs a CUDA GPU with Transformer Engine and CUDA vLLM ({INSTALL}); this machine: "

@@ -9,10 +9,11 @@ import json
 
 import torch
 
-from megarl.models.builder import build_model
-from megarl.models.hf_config import load_arch
-from megarl.parallel_state import device_choice, megatron_groups
+from megarl.models.hf.config import load_arch
+from megarl.models.megatron.builder import build_model
+from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
+from megarl.platform import device_choice
 
 
 def main():

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from megarl.trainer.flops import mfu
+from megarl.planning.flops import mfu
 from tests.launch import last_json, run
 
 GPU = {"MEGARL_DEVICE": "cuda"}  # the GPU path or an error naming what is missing, never the CPU
@@ -53,7 +53,7 @@ def test_megarl_takes_the_gpu_path(inputs):
     te = {TE + name for name in ("TEDotProductAttention", "TELayerNormColumnParallelLinear",
                                  "TEColumnParallelGroupedLinear")}
     assert te <= set(probe["modules"]), probe
-    assert not [m for m in probe["modules"] if m.startswith("megarl.models.portable_layers.")], probe
+    assert not [m for m in probe["modules"] if m.startswith("megarl.models.megatron.portable_layers.")], probe
     assert probe["vllm_platform"] == "cuda", probe
 
 

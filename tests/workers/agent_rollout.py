@@ -15,7 +15,7 @@ from megarl.rollout.engine import SamplingConfig
 from megarl.rollout.producer import produce
 from megarl.rollout.prompts import Prompt
 from megarl.rollout.turns import TurnDriver
-from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.rollout.vllm.engine import VLLMEngine
 
 
 class Tapped:

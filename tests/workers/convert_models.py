@@ -15,10 +15,10 @@ import json
 import os
 import sys
 
-from megarl.models import checkpoint
-from megarl.models.builder import build_model
-from megarl.models.convert import hf_to_megatron, megatron_to_hf
-from megarl.models.hf_config import arch_from_hf_config
+from megarl.models.hf.config import arch_from_hf_config
+from megarl.models.megatron.builder import build_model
+from megarl.models.weights import checkpoint
+from megarl.models.weights.convert import hf_to_megatron, megatron_to_hf
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.hf_export import export_hf

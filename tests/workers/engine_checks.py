@@ -8,10 +8,10 @@ refusals' messages under "refused_plan" and "incomplete_update"."""
 import argparse
 import json
 
-from megarl.models.destination import RolloutLayout, vllm_layout
-from megarl.models.hf_config import load_arch
+from megarl.models.hf.config import load_arch
+from megarl.models.weights.destination import RolloutLayout, vllm_layout
 from megarl.rollout.engine import SamplingConfig, check_update
-from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.rollout.vllm.engine import VLLMEngine
 
 
 def sampling_observations(engine: VLLMEngine) -> dict:

@@ -9,9 +9,9 @@ opened]]}. What a GPU would refuse shows here only as a device that is not the l
 import argparse
 import json
 
-from megarl.models.builder import build_model
-from megarl.models.hf_config import load_arch, load_hf_config
-from megarl.models.hf_io import load_hf_weights
+from megarl.models.hf.config import load_arch, load_hf_config
+from megarl.models.hf.weights_io import load_hf_weights
+from megarl.models.megatron.builder import build_model
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.parallel_state.links import WorldLinks

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-from megarl.models import checkpoint
-from megarl.models.builder import build_model
-from megarl.models.hf_config import load_arch, load_hf_config
+from megarl.models.hf.config import load_arch, load_hf_config
+from megarl.models.megatron.builder import build_model
+from megarl.models.weights import checkpoint
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 

@@ -6,9 +6,9 @@ import argparse
 import json
 
 from megarl.checks import weight_sync as verify
-from megarl.models.hf_config import load_arch
+from megarl.models.hf.config import load_arch
 from megarl.parallel_state import megatron_groups
-from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.rollout.vllm.engine import VLLMEngine
 
 
 def main():

@@ -1,4 +1,4 @@
-"""Worker: the HF -> Megatron converter (megarl.models.convert.hf_to_megatron, what
+"""Worker: the HF -> Megatron converter (megarl.models.weights.convert.hf_to_megatron, what
 scripts/convert.py hf-to-megatron runs under torchrun) on ranks made to choose their layer specs
 differently, to see it refused where the ranks' world starts, before any model is built.
 
@@ -14,8 +14,9 @@ import argparse
 import json
 import os
 
-from megarl.models.convert import hf_to_megatron
-from megarl.parallel_state import device_choice, megatron_groups
+from megarl.models.weights.convert import hf_to_megatron
+from megarl.parallel_state import megatron_groups
+from megarl.platform import device_choice
 
 
 def main():

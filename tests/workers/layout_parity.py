@@ -15,9 +15,10 @@ import os
 import torch
 
 from megarl.checks import parity
-from megarl.models import checkpoint, peft_io
-from megarl.models.builder import build_model
-from megarl.models.hf_config import arch_from_hf_config
+from megarl.models.hf.config import arch_from_hf_config
+from megarl.models.lora import peft_io
+from megarl.models.megatron.builder import build_model
+from megarl.models.weights import checkpoint
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 

@@ -15,12 +15,12 @@ import time
 
 from offload_handoff import freed, tensors  # noqa: I001 (next to this script)
 
+from megarl.planning.config import RunConfig
+from megarl.planning.typed_config import load
 from megarl.rollout import builder
 from megarl.rollout.engine import SamplingConfig
-from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.rollout.vllm.engine import VLLMEngine
 from megarl.trainer import loop
-from megarl.trainer.config import RunConfig
-from megarl.trainer.typed_config import load
 
 EVENTS = []
 STATES = []  # the run's training states, once setup has built them

@@ -17,10 +17,10 @@ from megarl.actor.config import ActorConfig
 from megarl.actor.optimizer import OptimConfig
 from megarl.critic.config import CriticConfig
 from megarl.critic.critic import Critic
-from megarl.models import checkpoint
-from megarl.models.builder import build_model
-from megarl.models.hf_config import arch_from_hf_config
-from megarl.models.hf_io import gather_hf_tensors
+from megarl.models.hf.config import arch_from_hf_config
+from megarl.models.hf.weights_io import gather_hf_tensors
+from megarl.models.megatron.builder import build_model
+from megarl.models.weights import checkpoint
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 

@@ -24,14 +24,14 @@ from megarl.actor.config import ActorConfig
 from megarl.actor.optimizer import NO_OFFLOAD, OptimConfig, OptimizerOffloadConfig
 from megarl.critic.config import CriticConfig
 from megarl.critic.critic import Critic
-from megarl.models.builder import build_model
-from megarl.models.hf_config import load_arch
-from megarl.models.hf_io import load_hf_weights
+from megarl.models.hf.config import load_arch
+from megarl.models.hf.weights_io import load_hf_weights
+from megarl.models.megatron.builder import build_model
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.sync import sync_weights
 from megarl.rollout.engine import SamplingConfig
-from megarl.rollout.vllm_engine import VLLMEngine
+from megarl.rollout.vllm.engine import VLLMEngine
 
 
 def new_actor(dims, hf_dir, dtype, distributed_optimizer, fraction=0.0):

@@ -18,10 +18,10 @@ from synthetic_batch import synthetic_batch  # noqa: I001 (next to this script)
 from megarl.actor.actor import Actor
 from megarl.actor.config import ActorConfig, BatchingConfig
 from megarl.actor.optimizer import NO_OFFLOAD, OptimConfig, OptimizerOffloadConfig
-from megarl.models.builder import build_model
-from megarl.models.hf_config import arch_from_hf_config, load_hf_config
-from megarl.models.hf_io import gather_hf_tensors
-from megarl.models.megatron_config import RecomputeConfig
+from megarl.models.hf.config import arch_from_hf_config, load_hf_config
+from megarl.models.hf.weights_io import gather_hf_tensors
+from megarl.models.megatron.builder import build_model
+from megarl.models.megatron.config import RecomputeConfig
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 

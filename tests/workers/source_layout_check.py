@@ -7,8 +7,8 @@ per (layout, model, role)."""
 import argparse
 import json
 
-from megarl.models.builder import build_model
-from megarl.models.hf_config import load_arch
+from megarl.models.hf.config import load_arch
+from megarl.models.megatron.builder import build_model
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.parallel_state.links import WorldLinks

@@ -16,10 +16,10 @@ from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-from megarl.models import checkpoint
-from megarl.models.builder import build_model
-from megarl.models.hf_config import load_arch, load_hf_config
-from megarl.models.megatron_config import padded_vocab_size, transformer_config
+from megarl.models.hf.config import load_arch, load_hf_config
+from megarl.models.megatron.builder import build_model
+from megarl.models.megatron.config import padded_vocab_size, transformer_config
+from megarl.models.weights import checkpoint
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 

@@ -15,9 +15,9 @@ from megarl.checks import parity
 from megarl.critic.config import CriticConfig
 from megarl.critic.critic import Critic
 from megarl.critic.reward_model import RewardModel
-from megarl.models.builder import build_model
-from megarl.models.hf_config import load_arch
-from megarl.models.hf_io import load_hf_weights
+from megarl.models.hf.config import load_arch
+from megarl.models.hf.weights_io import load_hf_weights
+from megarl.models.megatron.builder import build_model
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import Request

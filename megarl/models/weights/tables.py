@@ -1,0 +1,228 @@
+"""HF <-> Megatron weight names: one table per model family, plus the glue that applies them.
+
+Megatron names here are the canonical full-model names of megarl's layer spec at TP=PP=EP=1:
+global layer ids and global expert ids (see `param_layout.py` for local -> canonical). Each row
+names one Megatron tensor, the HF tensors it is made of, and the named transform between them.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Tuple
+
+import torch
+
+from megarl.models.hf.config import ModelArch
+from megarl.models.megatron.config import padded_vocab_size
+from megarl.models.weights import transforms as wt
+
+LAYER = "decoder.layers.{layer}."
+EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
+
+
+@dataclass(frozen=True)
+class Row:
+    megatron: str
+    hf: Tuple[str, ...]
+    transform: str = "copy"  # copy | qkv | gate_up | vocab
+    when: str = "always"     # always | untied | qkv_bias | qk_norm | q_lora | no_q_lora
+    layers: str = "all"      # all | dense | moe: which layers have it (DeepSeek's first are dense)
+
+
+_EMBED = Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")
+_FINAL = [
+    Row("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Row("output_layer.weight", ("lm_head.weight",), "vocab", when="untied"),
+]
+_ATTENTION = [
+    Row(LAYER + "input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",)),
+    Row(LAYER + "self_attention.linear_qkv.weight",
+        tuple(f"model.layers.{{layer}}.self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    Row(LAYER + "self_attention.linear_qkv.bias",
+        tuple(f"model.layers.{{layer}}.self_attn.{p}_proj.bias" for p in "qkv"), "qkv",
+        when="qkv_bias"),
+    Row(LAYER + "self_attention.q_layernorm.weight", ("model.layers.{layer}.self_attn.q_norm.weight",),
+        when="qk_norm"),
+    Row(LAYER + "self_attention.k_layernorm.weight", ("model.layers.{layer}.self_attn.k_norm.weight",),
+        when="qk_norm"),
+    Row(LAYER + "self_attention.linear_proj.weight", ("model.layers.{layer}.self_attn.o_proj.weight",)),
+    Row(LAYER + "pre_mlp_layernorm.weight", ("model.layers.{layer}.post_attention_layernorm.weight",)),
+]
+_ATTN = "model.layers.{layer}.self_attn."
+# DeepSeek's multi-latent attention: low-rank q (or one q_proj), the joint KV latent with the
+# shared RoPE key, and their norms. The row layouts of HF and Megatron agree (per head
+# [no-RoPE dims, RoPE dims] in q, [k no-RoPE, v] in kv_b), so every row copies.
+_MLA_ATTENTION = [
+    Row(LAYER + "input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",)),
+    Row(LAYER + "self_attention.linear_q_down_proj.weight", (_ATTN + "q_a_proj.weight",), when="q_lora"),
+    Row(LAYER + "self_attention.q_layernorm.weight", (_ATTN + "q_a_layernorm.weight",), when="q_lora"),
+    Row(LAYER + "self_attention.linear_q_up_proj.weight", (_ATTN + "q_b_proj.weight",), when="q_lora"),
+    Row(LAYER + "self_attention.linear_q_proj.weight", (_ATTN + "q_proj.weight",), when="no_q_lora"),
+    Row(LAYER + "self_attention.linear_kv_down_proj.weight", (_ATTN + "kv_a_proj_with_mqa.weight",)),
+    Row(LAYER + "self_attention.kv_layernorm.weight", (_ATTN + "kv_a_layernorm.weight",)),
+    Row(LAYER + "self_attention.linear_kv_up_proj.weight", (_ATTN + "kv_b_proj.weight",)),
+    Row(LAYER + "self_attention.linear_proj.weight", (_ATTN + "o_proj.weight",)),
+    Row(LAYER + "pre_mlp_layernorm.weight", ("model.layers.{layer}.post_attention_layernorm.weight",)),
+]
+_DENSE_MLP = [
+    Row(LAYER + "mlp.linear_fc1.weight", ("model.layers.{layer}.mlp.gate_proj.weight",
+                                          "model.layers.{layer}.mlp.up_proj.weight"), "gate_up",
+        layers="dense"),
+    Row(LAYER + "mlp.linear_fc2.weight", ("model.layers.{layer}.mlp.down_proj.weight",),
+        layers="dense"),
+]
+_EXPERTS = [
+    Row(EXPERT + "linear_fc1.weight", ("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+                                       "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"),
+        "gate_up", layers="moe"),
+    Row(EXPERT + "linear_fc2.weight", ("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",),
+        layers="moe"),
+]
+_ROUTER = Row(LAYER + "mlp.router.weight", ("model.layers.{layer}.mlp.gate.weight",), layers="moe")
+_QWEN3_MOE_MLP = [_ROUTER, *_EXPERTS]
+# DeepSeek-style MoE layers: the router's expert bias (a buffer in both, trained by token
+# counts) and the shared experts beside the routed ones.
+_DEEPSEEK_MOE_MLP = [
+    _ROUTER,
+    Row(LAYER + "mlp.router.expert_bias", ("model.layers.{layer}.mlp.gate.e_score_correction_bias",),
+        layers="moe"),
+    Row(LAYER + "mlp.shared_experts.linear_fc1.weight",
+        ("model.layers.{layer}.mlp.shared_experts.gate_proj.weight",
+         "model.layers.{layer}.mlp.shared_experts.up_proj.weight"), "gate_up", layers="moe"),
+    Row(LAYER + "mlp.shared_experts.linear_fc2.weight",
+        ("model.layers.{layer}.mlp.shared_experts.down_proj.weight",), layers="moe"),
+    *_EXPERTS,
+]
+_MIXTRAL_MLP = [
+    Row(LAYER + "mlp.router.weight", ("model.layers.{layer}.block_sparse_moe.gate.weight",),
+        layers="moe"),
+    Row(EXPERT + "linear_fc1.weight", ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
+                                       "model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight"),
+        "gate_up", layers="moe"),
+    Row(EXPERT + "linear_fc2.weight",
+        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",), layers="moe"),
+]
+
+TABLES: Dict[str, List[Row]] = {
+    "llama": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
+    "qwen2": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
+    "qwen3": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
+    "qwen3_moe": [_EMBED, *_ATTENTION, *_QWEN3_MOE_MLP, *_FINAL],
+    "mixtral": [_EMBED, *_ATTENTION, *_MIXTRAL_MLP, *_FINAL],
+    "glm4_moe": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_DEEPSEEK_MOE_MLP, *_FINAL],
+    "deepseek_v3": [_EMBED, *_MLA_ATTENTION, *_DENSE_MLP, *_DEEPSEEK_MOE_MLP, *_FINAL],
+}
+
+# The critic's head has no counterpart in a causal-LM checkpoint; HF token-classification value
+# models (TRL, OpenRLHF) call it `score`.
+VALUE_HEAD = Row("output_layer.weight", ("score.weight",))
+
+
+def _applies(row: Row, arch: ModelArch) -> bool:
+    return {"always": True, "untied": not arch.tie_embeddings, "qkv_bias": arch.qkv_bias,
+            "qk_norm": arch.qk_norm, "q_lora": arch.q_lora_rank > 0,
+            "no_q_lora": arch.q_lora_rank == 0}[row.when]
+
+
+def _in_layer(row: Row, arch: ModelArch, layer: int) -> bool:
+    return row.layers == "all" or (row.layers == "moe") == arch.is_moe_layer(layer)
+
+
+def rows(arch: ModelArch, role: str = "policy") -> List[Row]:
+    table = [row for row in TABLES[arch.family] if _applies(row, arch)]
+    if role == "value":
+        table = [row for row in table if row.megatron != "output_layer.weight"] + [VALUE_HEAD]
+    return table
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One concrete Megatron tensor of the full model and the HF tensors it is made of."""
+    megatron: str
+    hf: Tuple[str, ...]
+    transform: str
+
+
+def _entry(row: Row, layer=None, expert=None) -> Entry:
+    return Entry(row.megatron.format(layer=layer, expert=expert),
+                 tuple(h.format(layer=layer, expert=expert) for h in row.hf), row.transform)
+
+
+def entries(arch: ModelArch, role: str = "policy") -> Iterator[Entry]:
+    """Every Megatron tensor of the full model, layer by layer: the table's rows before the layers,
+    then each layer's own rows and each of its experts' rows together, then the rows after. A
+    consumer that frees a module's inputs only once the module is complete (vLLM's layerwise
+    reload) so holds at most one layer, never one kind of tensor of every layer."""
+    table = rows(arch, role)
+    per_layer = [i for i, row in enumerate(table) if "{layer}" in row.megatron]
+    if not per_layer:
+        yield from (_entry(row) for row in table)
+        return
+    yield from (_entry(row) for row in table[:per_layer[0]])
+    layer_rows = [table[i] for i in per_layer if "{expert}" not in table[i].megatron]
+    expert_rows = [table[i] for i in per_layer if "{expert}" in table[i].megatron]
+    for layer in range(arch.num_layers):
+        yield from (_entry(row, layer) for row in layer_rows if _in_layer(row, arch, layer))
+        for expert in range(arch.num_experts if arch.is_moe_layer(layer) else 0):
+            yield from (_entry(row, layer, expert) for row in expert_rows)
+    yield from (_entry(row) for row in table[per_layer[-1] + 1:])
+
+
+_NUMBERS = re.compile(r"^decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\.(\d+)\.)?")
+
+
+def tied_output(arch: ModelArch, megatron_name: str, role: str) -> bool:
+    """With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding."""
+    return role == "policy" and arch.tie_embeddings and megatron_name == "output_layer.weight"
+
+
+def entry_of(arch: ModelArch, megatron_name: str, role: str) -> "Entry":
+    """The Entry a rank's parameter of that canonical name loads from and exports to: a tied
+    output layer's copy is the embedding's entry."""
+    name = "embedding.word_embeddings.weight" if tied_output(arch, megatron_name, role) else megatron_name
+    return entry_for(arch, name, role)
+
+
+def entry_for(arch: ModelArch, megatron_name: str, role: str = "policy") -> Entry:
+    """The Entry of one canonical Megatron name, or KeyError naming it."""
+    match = _NUMBERS.match(megatron_name)
+    layer, expert = (match.group(1), match.group(2)) if match else (None, None)
+    template = megatron_name
+    if layer is not None:
+        template = LAYER.format(layer="{layer}") + megatron_name[len(f"decoder.layers.{layer}."):]
+    if expert is not None:
+        template = EXPERT.format(layer="{layer}", expert="{expert}") + megatron_name[match.end():]
+    for row in rows(arch, role):
+        if row.megatron == template and (layer is None or _in_layer(row, arch, int(layer))):
+            return Entry(megatron_name,
+                         tuple(h.format(layer=layer, expert=expert) for h in row.hf),
+                         row.transform)
+    raise KeyError(f"no {arch.family} weight-table row for Megatron tensor {megatron_name!r}")
+
+
+def to_megatron(arch: ModelArch, entry: Entry, hf: List[torch.Tensor], tp: int) -> torch.Tensor:
+    """HF tensors of one entry -> the full Megatron tensor (vocabulary padded for `tp`)."""
+    if entry.transform == "qkv":
+        return wt.merge_qkv(*hf, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    if entry.transform == "gate_up":
+        return wt.merge_gate_up(*hf)
+    if entry.transform == "vocab":
+        return wt.pad_vocab(hf[0], padded_vocab_size(arch.vocab_size, tp))
+    return hf[0]
+
+
+def to_hf(arch: ModelArch, entry: Entry, tensor: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Full Megatron tensor of one entry -> its HF tensors by name."""
+    if entry.transform == "qkv":
+        parts = wt.split_qkv(tensor, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    elif entry.transform == "gate_up":
+        parts = wt.split_gate_up(tensor)
+    elif entry.transform == "vocab":
+        parts = [wt.unpad_vocab(tensor, arch.vocab_size)]
+    else:
+        parts = [tensor]
+    return dict(zip(entry.hf, parts))
+
+
+def read_entry(arch: ModelArch, entry: Entry, read_hf: Callable[[str], torch.Tensor],
+               tp: int) -> torch.Tensor:
+    return to_megatron(arch, entry, [read_hf(name) for name in entry.hf], tp)
