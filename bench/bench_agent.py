@@ -38,12 +38,12 @@ import python_workload  # noqa: E402
 from paired_timing import json_stdout  # noqa: E402
 from slow_env import QUICK_S, SLOW_S  # noqa: E402
 
-from megarl.rollout.agent_loop import AgentConfig, AgentLoop  # noqa: E402
-from megarl.rollout.chat_insert import first_prompt_ids, inserted_ids  # noqa: E402
+from megarl.rollout.agent.chat_insert import first_prompt_ids, inserted_ids  # noqa: E402
+from megarl.rollout.agent.loop import AgentConfig, AgentLoop  # noqa: E402
+from megarl.rollout.agent.tools import python as python_tool  # noqa: E402
 from megarl.rollout.engine import SamplingConfig  # noqa: E402
 from megarl.rollout.producer import produce  # noqa: E402
 from megarl.rollout.prompts import load_prompts  # noqa: E402
-from megarl.rollout.tools import python as python_tool  # noqa: E402
 from megarl.rollout.turns import TurnDriver  # noqa: E402
 
 ENV = "slow_env:step"

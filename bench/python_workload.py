@@ -10,7 +10,7 @@ and the sandbox are megarl's own; only the choice to call is scripted.
 import math
 import random
 
-from megarl.rollout.tool_calls import ParsedTurn, ToolCall
+from megarl.rollout.agent.tool_calls import ParsedTurn, ToolCall
 
 # i*i % 7 over one period of 7; the sum of any range follows from it, so the output is checked
 # without running the code a second time.

@@ -3,7 +3,7 @@ record's extra_info.tools_kwargs, as verl's tools_kwargs reach its tools."""
 
 import time
 
-from megarl.rollout.tools import calculator as builtin_calculator
+from megarl.rollout.agent.tools import calculator as builtin_calculator
 
 
 def calculator(expression: str, mode: str = "ok") -> str:

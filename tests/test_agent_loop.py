@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from megarl.rollout.chat_insert import assistant_close, inserted_text
-from megarl.rollout.tool_calls import ToolCall, hermes
-from megarl.rollout.tools import calculator, python, schema_of
+from megarl.rollout.agent.chat_insert import assistant_close, inserted_text
+from megarl.rollout.agent.tool_calls import ToolCall, hermes
+from megarl.rollout.agent.tools import calculator, python, schema_of
 from tests.launch import ROOT, last_json, one_rank_env, run, start
 from tests.scripted_agent import PIECES, make_scripted_agent
 
@@ -240,7 +240,7 @@ def test_tool_demo_traces_call_insert_and_answer(tmp_path):
 
 
 def test_records_choose_tools_as_verl_lays_them_out():
-    from megarl.rollout.agent_loop import record_kwargs, uses_tools
+    from megarl.rollout.agent.loop import record_kwargs, uses_tools
 
     assert uses_tools(None) and uses_tools("tool_agent")
     assert not uses_tools("single_turn_agent") and not uses_tools("single_turn")

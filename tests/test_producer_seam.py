@@ -5,7 +5,7 @@ test_agent_loop.py, test_loop.py and test_async_rollout.py.)"""
 
 import pytest
 
-from megarl.rollout.agent_loop import AgentConfig, AgentLoop
+from megarl.rollout.agent.loop import AgentConfig, AgentLoop
 from megarl.rollout.completion import Completion
 from megarl.rollout.producer import WholeDraws, load_producer
 from tests.producers import FirstToken, TwoTokens

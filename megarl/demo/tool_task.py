@@ -51,7 +51,7 @@ def warm_start_traces(records: List[Dict[str, str]], tokenizer, seed: int, tool_
                       ) -> List[Tuple[List[int], List[int], List[int]]]:
     """(prompt ids, target ids, loss mask over the target): a tool trace (the call, the tool's
     result inserted as the agent loop inserts it, masked out, then the answer) or a direct one."""
-    from megarl.rollout.chat_insert import first_prompt_ids, inserted_ids
+    from megarl.rollout.agent.chat_insert import first_prompt_ids, inserted_ids
 
     rng = random.Random(seed)
     eos = tokenizer.eos_token_id

@@ -25,7 +25,7 @@ from megarl.parallel_state.dims import ParallelDims
 from megarl.planning import memory_plan
 from megarl.planning.config import RunConfig
 from megarl.platform import device_choice
-from megarl.rollout.agent_loop import uses_tools
+from megarl.rollout.agent.loop import uses_tools
 from megarl.rollout.builder import load_training_prompts
 from megarl.rollout.vllm.engine import check_engine_ep
 

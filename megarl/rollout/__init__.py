@@ -1,2 +1,2 @@
 """Rollout: the RolloutEngine protocol and the engine-neutral code around it (producers, prompts,
-tools, agent turns, collection); the vLLM backend is rollout/vllm/."""
+turns, collection); multi-turn tool-using rollouts are rollout/agent/, the vLLM backend rollout/vllm/."""

@@ -9,7 +9,7 @@ the others) or what reads them (prompts.py, builder.py, turns.py, the trainer's 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megarl.rollout.agent_loop import AgentConfig
+from megarl.rollout.agent.loop import AgentConfig
 from megarl.rollout.prompts import OVERLONG, RecordKeys
 from megarl.rollout.turns import INTERRUPTS
 from megarl.rollout.vllm.lora import AdapterSpec
@@ -51,7 +51,7 @@ class GenerationConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     # How samples are produced: completion, agent (multi-turn with tools and interactions,
-    # configured by `agent`: megarl/rollout/agent_loop.py) or module:function
+    # configured by `agent`: megarl/rollout/agent/loop.py) or module:function
     producer: str = "completion"
     agent: AgentConfig = field(default_factory=AgentConfig)
     kv_cache_gib: int = 1  # CPU: vLLM's KV cache size

@@ -1,6 +1,6 @@
 """The draws a streaming producer has in flight: each draw's samples in the making, in prompt
 order then sample order, handed back once every one is done. The base class of the built-in
-producers (completion.py, agent_loop.py), which differ in what one sample is (a turn, a
+producers (completion.py, rollout/agent/loop.py), which differ in what one sample is (a turn, a
 conversation).
 
 Owns the bookkeeping of draws. Does not own driving the engine (turns.py) or what a sample is.

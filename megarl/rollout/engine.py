@@ -46,7 +46,7 @@ class RolloutSample:
     # [R] int64 the policy version (training steps behind its weights) that sampled each response
     # token; streamed (asynchronous) rollouts only
     versions: Optional[torch.Tensor] = None
-    # Multi-turn samples (agent_loop.py): [R] 1 on the tokens the engine generated, 0 on those
+    # Multi-turn samples (rollout/agent/loop.py): [R] 1 on the tokens the engine generated, 0 on those
     # inserted between turns (their log-probs are 0 and never read); None: all generated
     response_mask: Optional[torch.Tensor] = None
     trajectory: Optional[List[Dict[str, Any]]] = None  # the conversation's messages, prompt first

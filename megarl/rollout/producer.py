@@ -13,7 +13,7 @@ one row per token fed through the engine; one that inserts tokens the engine did
 marks them 0 in `response_mask`. A producer that holds processes (the agent loop's tool workers)
 releases them in `close()`, called when the run ends.
 
-The built-ins: `completion` (completion.py: one turn per sample) and `agent` (agent_loop.py).
+The built-ins: `completion` (completion.py: one turn per sample) and `agent` (rollout/agent/loop.py).
 A user's `module:function` is called once, with no arguments, and returns either a producer of
 this interface or, the shortcut, an object with `produce(engine, prompts, sampling)` returning the
 samples of a whole draw at once (WholeDraws runs it inside one step, so no weight update lands in
@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence
 import torch
 
 from megarl.plugins.loading import load_callable
-from megarl.rollout.agent_loop import AgentConfig, AgentLoop
+from megarl.rollout.agent.loop import AgentConfig, AgentLoop
 from megarl.rollout.completion import Completion
 from megarl.rollout.draws import Draw
 from megarl.rollout.engine import RolloutSample, SamplingConfig
@@ -123,7 +123,7 @@ _STREAMING = ("start", "step", "finished", "drop", "busy", "draws_in_flight", "c
 
 
 def load_producer(name: str, tokenizer, agent: AgentConfig) -> SampleProducer:
-    """`completion`, `agent` (multi-turn with tools: agent_loop.py, configured by `agent`), or
+    """`completion`, `agent` (multi-turn with tools: rollout/agent/loop.py, configured by `agent`), or
     'module:function' returning a producer (called once, at setup, with no arguments): one of
     this interface, or one with produce(engine, prompts, sampling) (module docstring)."""
     builtin: Dict[str, Callable[[], SampleProducer]] = {

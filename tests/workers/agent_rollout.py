@@ -10,7 +10,7 @@ import time
 
 import transformers
 
-from megarl.rollout.agent_loop import AgentConfig, AgentLoop
+from megarl.rollout.agent.loop import AgentConfig, AgentLoop
 from megarl.rollout.engine import SamplingConfig
 from megarl.rollout.producer import produce
 from megarl.rollout.prompts import Prompt

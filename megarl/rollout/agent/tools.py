@@ -6,7 +6,7 @@ schema is the function's `schema` attribute (an OpenAI function schema:
 {"name", "description", "parameters": {...}}) or, without one, read from its signature (str, int,
 float and bool parameters; those without a default required) and the first line of its docstring.
 Tools run in worker processes (tool_worker.py) with a timeout; their failures become tool messages
-(agent_loop.py).
+(rollout/agent/loop.py).
 """
 
 import ast

@@ -36,12 +36,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megarl.plugins.worker_pool import Result, WorkerPool
-from megarl.rollout.chat_insert import first_prompt_ids, inserted_ids
+from megarl.rollout.agent.chat_insert import first_prompt_ids, inserted_ids
+from megarl.rollout.agent.tool_calls import ParsedTurn, load_parser
+from megarl.rollout.agent.tools import load_tool, loaded_tools
 from megarl.rollout.draws import Draw, Draws
 from megarl.rollout.engine import RolloutSample, SamplingConfig, sample_seed
 from megarl.rollout.prompts import Prompt
-from megarl.rollout.tool_calls import ParsedTurn, load_parser
-from megarl.rollout.tools import load_tool, loaded_tools
 from megarl.rollout.turns import Turn, TurnDriver
 
 EVENTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_output_cut", "call_parse_errors",
@@ -189,8 +189,8 @@ class AgentLoop(Draws[_Conversation]):
     def pool(self) -> WorkerPool:
         """The tool and interaction workers (the engine leader's; made at first use)."""
         if self._pool is None:
-            self._pool = WorkerPool("megarl.rollout.tool_worker", loaded_tools, self.config.tool_workers,
-                                    self.config.tool_timeout_s, self._preload)
+            self._pool = WorkerPool("megarl.rollout.agent.tool_worker", loaded_tools,
+                                    self.config.tool_workers, self.config.tool_timeout_s, self._preload)
         return self._pool
 
     def _poll(self, driver: TurnDriver, wait: float) -> List[Tuple[int, Result]]:
