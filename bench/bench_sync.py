@@ -547,7 +547,7 @@ def lora_worker(args, chunks, arch, dims) -> None:
     from megarl.rollout.vllm.lora import AdapterSpec
 
     config = LoraConfig(rank=args.lora_rank)
-    peft_io.start(chunks, arch, config, None)
+    peft_io.start(chunks, arch, config)
     verify.perturb_adapters(chunks, 0.5, seed=0)  # PEFT starts B at zero: make the adapters matter
     spec = AdapterSpec(arch, config)
     engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, dtype=arch.dtype, max_model_len=128,

@@ -30,6 +30,7 @@ from megarl.evaluation.eval_metrics import ALL
 from megarl.evaluation.model_source import MEGATRON, ModelSource, model_source, tokenizer_dir
 from megarl.models.hf.config import ModelArch, arch_from_hf_config
 from megarl.planning.config import RunConfig
+from megarl.planning.resolved import resolved_eval
 from megarl.planning.typed_config import build
 
 # Config keys as this script's flags name them, for messages about a flag's value.
@@ -187,10 +188,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise FileNotFoundError(f"set {name!r}: its file {path!r} (from --run-dir's config.json) does not "
                                 "exist; pass the file with --data")
     arch = arch_from_hf_config(model.hf_config())
-    longest = config.data.max_prompt_len + config.eval_config.max_new_tokens
+    longest = config.data.max_prompt_len + resolved_eval(config).max_new_tokens
     if longest > arch.max_position_embeddings:
         raise ValueError(f"--max-prompt-len {config.data.max_prompt_len} + --max-new-tokens "
-                         f"{config.eval_config.max_new_tokens} = {longest} tokens exceed the model's "
+                         f"{resolved_eval(config).max_new_tokens} = {longest} tokens exceed the model's "
                          f"max_position_embeddings {arch.max_position_embeddings}; lower one of them")
     fallbacks = [args.tokenizer, config.model.hf_dir if args.run_dir else None]
     return Plan(config, name, model, arch, tokenizer_dir(model, fallbacks))
@@ -226,7 +227,7 @@ def evaluate_plan(plan: Plan, convert_dir: Optional[str] = None) -> dict:
     from megarl.rollout.vllm.engine import VLLMEngine
 
     config, name = plan.config, plan.set_name
-    evaluation, data, gen, algo = config.eval_config, config.data, config.generation, config.algo
+    evaluation, data, gen, algo = resolved_eval(config), config.data, config.generation, config.algo
     tokenizer = transformers.AutoTokenizer.from_pretrained(plan.tokenizer)
     prompts = load_sets(evaluation, tokenizer, data.max_prompt_len, data.overlong_prompts)
     megatron_groups.init_distributed(config.collective_timeout_s)
@@ -287,7 +288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     with console.output(logs, f"rank{rank}", args.verbose, tell=rank == 0):
         result = evaluate_plan(plan, args.convert_dir)
         if rank == 0:
-            evaluation = plan.config.eval_config
+            evaluation = resolved_eval(plan.config)
             console.say(f"megarl: set {plan.set_name}: {result['prompts']} prompts x {evaluation.samples} "
                         f"samples, temperature {evaluation.temperature}, seed {plan.config.seed}")
             console.say(table(result["metrics"], plan.set_name))

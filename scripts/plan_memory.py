@@ -106,16 +106,16 @@ def _from_flags(args, arch) -> mp.MemoryRequest:
         export_hf=not args.no_export, runtime_bytes=args.reserve_gb * mp.GB)
 
 
-def _from_run(args, arch) -> mp.MemoryRequest:
+def _from_run(args, hf_config: dict) -> mp.MemoryRequest:
     from megarl.planning.config import RunConfig
+    from megarl.planning.resolved import resolve
     from megarl.planning.typed_config import load
 
     config = load(RunConfig, args.config, [f"model.hf_dir={os.path.dirname(args.hf_config)}",
                                            "data.path=unused.jsonl", *args.overrides])
-    dims = config.layout.dims()
+    run = resolve(config, {**hf_config, "dtype": args.dtype} if args.dtype else hf_config)
     gpu_gb = config.layout.gpu_memory_gb or args.gpu_memory_gb
-    return mp.request_for_run(config, arch, dims, gpu_gb * mp.GB, gpu=True,
-                              runtime_bytes=args.reserve_gb * mp.GB)
+    return mp.request_for_run(run, gpu_gb * mp.GB, gpu=True, runtime_bytes=args.reserve_gb * mp.GB)
 
 
 def _print(stages, verdict: dict) -> None:
@@ -145,10 +145,11 @@ def main(argv=None) -> dict:
         if not os.path.isfile(config_file):
             raise ValueError(f"--hf-config {path!r}: no such file (pass a config.json or its directory)")
         with open(config_file) as f:
-            arch = cp.arch_of(json.load(f), args.dtype)
+            hf_config = json.load(f)
         if args.overrides and not args.config:
             raise ValueError(f"overrides {args.overrides} need --config (a run's YAML to override)")
-        request = _from_run(args, arch) if args.config else _from_flags(args, arch)
+        request = _from_run(args, hf_config) if args.config else \
+            _from_flags(args, cp.arch_of(hf_config, args.dtype))
         stages = mp.plan_memory(request)
     except ValueError as error:
         sys.exit(f"plan_memory: {error}")

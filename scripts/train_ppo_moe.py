@@ -34,19 +34,21 @@ def main():
     device_choice.set_transformer_engine(config.model.transformer_engine)
     # Held for the log: run_dir is made only once the config passed.
     with console.caught_warnings(args.verbose) as early:
-        preflight(config)  # a run that cannot work is refused before any process starts
+        # A run that cannot work is refused before any process starts; the one that can, resolved
+        # once, is what every rank runs.
+        run = preflight(config)
     if "RANK" in os.environ:
         from megarl.trainer.loop import train
 
         rank = int(os.environ["RANK"])
         with console.output(config.run_dir, f"rank{rank}", args.verbose, early_warnings=early,
                             tell=rank == 0):
-            train(config, args.resume)
+            train(run, args.resume)
     else:
         from megarl.trainer.launch import launch
 
         with console.output(config.run_dir, "driver", args.verbose, early_warnings=early, tell=True):
-            launch(config, args.ray_address, args.resume, args.verbose)
+            launch(run, args.ray_address, args.resume, args.verbose)
 
 
 if __name__ == "__main__":

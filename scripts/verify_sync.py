@@ -119,8 +119,8 @@ def main():
     chunks = build_model(arch, dims, perform_initialization=False, **overrides)
     load_hf_weights(chunks, arch, args.hf_dir)
     verify.perturb(chunks, arch, args.perturb, args.seed)
-    adapters = peft_io.run_config(LoraConfig(), args.lora_init, arch)
-    peft_io.start(chunks, arch, adapters, args.lora_init)
+    adapters = peft_io.run_config(LoraConfig(init=args.lora_init), arch)
+    peft_io.start(chunks, arch, adapters)
     spec = vllm_lora.AdapterSpec(arch, adapters) if args.adapters_only else None
 
     engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, rollout_ep=args.rollout_ep,

@@ -59,7 +59,11 @@ BASE = {"model": {"hf_dir": "m"}, "data": {"path": "d.jsonl"}}
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"async": {"max_staleness": 1}}, r"async.max_staleness=1 needs rollout ranks of their own"),
+    ({"async": {"max_staleness": 1}}, r"async.max_staleness=1: the async section applies only to rollout "
+                                      r"ranks of their own \(layout.rollout_world_size > 0\)"),
+    # keys a colocated run would ignore are refused with the others
+    ({"async": {"partial_rollout": "restart", "max_engine_restarts": 0}},
+     r"async.partial_rollout='restart', async.max_engine_restarts=0: the async section applies only"),
     ({"async": {"max_staleness": -1}, "layout": {"rollout_world_size": 1}}, r"must be >= 0"),
     ({"async": {"partial_rollout": "resume"}, "layout": {"rollout_world_size": 1}},
      r"async.partial_rollout='resume'; choose one of \('continue', 'restart'\)"),

@@ -13,7 +13,7 @@ from megarl.planning.config import LayoutConfig, RunConfig
 KEYS = [
     "run_dir", "steps", "seed", "offload_params", "collective_timeout_s",
     "model.hf_dir", "model.megatron_dir", "model.router_fp32", "model.expert_bias_update_rate",
-    "model.transformer_engine", "model.lora_init",
+    "model.transformer_engine",
     "data.path", "data.prompt_key", "data.answer_key", "data.data_source_key", "data.extra_info_key",
     "data.max_prompt_len", "data.overlong_prompts",
     "data.prompts_per_step", "data.seed",
@@ -37,7 +37,7 @@ KEYS = [
     "actor.rollout_correction.reject", "actor.rollout_correction.low", "actor.rollout_correction.high",
     "actor.router_aux_loss_coeff", "actor.router_replay",
     "actor.lora.rank", "actor.lora.alpha", "actor.lora.dropout", "actor.lora.targets", "actor.lora.rslora",
-    "actor.lora.kind_ranks", "actor.lora.kind_alphas",
+    "actor.lora.kind_ranks", "actor.lora.kind_alphas", "actor.lora.init",
     "actor.batching.mini_batch_size", "actor.batching.epochs", "actor.batching.micro_batch_tokens",
     "actor.batching.micro_batches", "actor.batching.shuffle_seed",
     "actor.optim.lr", "actor.optim.min_lr", "actor.optim.lr_warmup_steps", "actor.optim.lr_decay_steps",

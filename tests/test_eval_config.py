@@ -6,9 +6,11 @@ import pytest
 import transformers
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
+from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
 from megarl.evaluation.config import EvalConfig, EvalSetConfig
 from megarl.evaluation.sets import HeldOut, load_sets
 from megarl.planning.config import RunConfig
+from megarl.planning.resolved import resolve, resolved_eval
 from megarl.planning.typed_config import load
 from megarl.rewards.functions import RewardTable
 from megarl.rewards.scorer import Scorer
@@ -46,10 +48,44 @@ def test_eval_section_from_overrides_with_defaults_resolved():
         "eval.temperature=1", "eval.pass_k=[1,8]", "generation.max_new_tokens=32",
         "algo.reward_by_source={b: exact_match}"])
     assert config.eval.pass_k == (1, 8) and config.eval.sets["heldout"].keys.answer == "auto"
-    assert config.eval.max_new_tokens == 0 and config.eval_config.max_new_tokens == 32
+    assert config.eval.max_new_tokens == 0 and resolved_eval(config).max_new_tokens == 32
+    assert EvalSetConfig(path="p", reward="exact_match").reward_table(config.algo.reward_table) == \
+        RewardTable("exact_match")
+
+
+def test_the_resolved_run_holds_the_budget_and_every_reward_table(tmp_path):
+    """resolve: the eval budget (0: generation's), training's reward table then each set's, the
+    reward models of all of them, read once from the config and the checkpoint's config.json."""
+    hf_dir = tmp_path / "model"
+    make_tiny_checkpoint("qwen3", str(hf_dir))
+    config = load(RunConfig, None, [
+        f"model.hf_dir={hf_dir}", "data.path=d.jsonl", "eval.sets.heldout.path=h.parquet",
+        "eval.sets.mixed.path=m.jsonl", "eval.sets.mixed.reward_by_source={a: math}",
+        "eval.sets.judged.path=j.jsonl", "eval.sets.judged.reward=rm:/models/rm",
+        "generation.max_new_tokens=32", "algo.reward_by_source={b: exact_match}"])
+    run = resolve(config)
     training = config.algo.reward_table
-    assert config.reward_tables == [training, training, RewardTable("math", {"a": "math"})]
-    assert EvalSetConfig(path="p", reward="exact_match").reward_table(training) == RewardTable("exact_match")
+    assert run.eval.max_new_tokens == 32 and run.eval.sets == config.eval.sets
+    assert run.reward_tables == (training, training, RewardTable("math", {"a": "math"}),
+                                 RewardTable("rm:/models/rm"))
+    assert run.reward_model_dirs == ("/models/rm",)
+    assert run.arch.family == "qwen3" and run.adapters is None and run.engine.adapters is None
+    assert run.dims == config.layout.dims() and run.hf_config["model_type"] == "qwen3"
+
+
+def test_eval_sets_as_a_list_of_files_are_named_after_them():
+    """verl's val_files: a list of paths, each set named after its file; two files of one name
+    are told apart by their folders; the same file twice is refused naming both."""
+    config = load(RunConfig, None, ["model.hf_dir=m", "data.path=d.jsonl",
+                                    "eval.sets=[data/gsm8k/test.parquet, data/math/test.parquet, "
+                                    "heldout.jsonl]"])
+    assert {name: spec.path for name, spec in config.eval.sets.items()} == {
+        "gsm8k-test": "data/gsm8k/test.parquet", "math-test": "data/math/test.parquet",
+        "heldout": "heldout.jsonl"}
+    assert config.eval.sets["heldout"] == EvalSetConfig(path="heldout.jsonl")  # the training reward
+    with pytest.raises(ValueError, match=r"eval.sets lists 'a/h.jsonl' and 'a/h.jsonl', both named 'h'; "
+                                         r"give the sets as a mapping"):
+        load(RunConfig, None, ["model.hf_dir=m", "data.path=d.jsonl", "eval.sets=[a/h.jsonl, a/h.jsonl]"])
 
 
 def test_evaluations_are_due_every_n_steps_and_after_the_last():

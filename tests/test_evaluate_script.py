@@ -11,6 +11,7 @@ import pytest
 from megarl.demo.tiny_checkpoint import BASE, FAMILIES
 from megarl.evaluation.model_source import HF, MEGATRON
 from megarl.planning.config import RunConfig
+from megarl.planning.resolved import resolved_eval
 from megarl.planning.typed_config import build
 from tests.launch import load_script
 
@@ -68,7 +69,7 @@ def test_a_plain_evaluation_takes_the_defaults_and_the_files_stem(files):
                  "--samples", "8", "--temperature", "0.6", "--pass-k", "1,8")
     assert (plan.model.kind, plan.model.path, plan.tokenizer) == (HF, files["hf"], files["hf"])
     assert plan.set_name == "held" and plan.config.seed == 0
-    evaluation = plan.config.eval_config
+    evaluation = resolved_eval(plan.config)
     assert (evaluation.samples, evaluation.temperature, evaluation.pass_k) == (8, 0.6, (1, 8))
     assert evaluation.max_new_tokens == 64 and plan.config.data.max_prompt_len == 32
     assert plan.config.eval.sets["held"].reward_table(plan.config.algo.reward_table).default == "math"
@@ -81,13 +82,13 @@ def test_a_runs_checkpoint_is_evaluated_with_the_runs_settings(files):
     assert (plan.model.kind, plan.model.path) == (MEGATRON, f"{files['step']}/actor")
     assert plan.tokenizer == str(files["root"] / "base")
     assert plan.set_name == "heldout" and plan.config.seed == 7 and list(plan.config.eval.sets) == ["heldout"]
-    evaluation = plan.config.eval_config
+    evaluation = resolved_eval(plan.config)
     assert (evaluation.samples, evaluation.temperature, evaluation.pass_k, evaluation.max_new_tokens) == \
         (4, 1.0, (1, 4), 3)
     assert plan.config.eval.sets["heldout"].answer_key == "answer"
     plan = _plan("--model", files["step"], "--run-dir", str(files["run"]), "--max-new-tokens", "5",
                  "--reward", "exact_match")
-    assert plan.config.eval_config.max_new_tokens == 5
+    assert resolved_eval(plan.config).max_new_tokens == 5
     assert plan.config.eval.sets["heldout"].reward == "exact_match"
 
 

@@ -251,6 +251,25 @@ def test_config_refuses_bad_values_by_name():
         LoraConfig(rank=4, dropout=1.5)
 
 
+def test_actor_lora_init_resolves_to_the_folders_adapters(hf_models, adapters, tmp_path):
+    """actor.lora.init (the one LoRA key): the run's adapters are the PEFT folder's, its path kept
+    (setup loads from it); a rank that disagrees is refused naming both; a folder without PEFT's
+    config is refused when the config loads."""
+    from megarl.planning.config import RunConfig
+    from megarl.planning.resolved import resolve
+    from megarl.planning.typed_config import load
+
+    base = [f"model.hf_dir={hf_models['qwen3']}", "data.path=d.jsonl"]
+    run = resolve(load(RunConfig, None, [*base, f"actor.lora.init={adapters['qwen3']}"]))
+    assert (run.adapters.rank, run.adapters.alpha, run.adapters.init) == (4, 8.0, adapters["qwen3"])
+    assert run.engine.adapters is not None  # the engines take the adapters alone
+    with pytest.raises(ValueError, match=r"actor.lora \(rank 8, alpha 16.0, rslora False\) differs from "
+                                         r"actor.lora.init=.* \(rank 4, alpha 8.0"):
+        resolve(load(RunConfig, None, [*base, f"actor.lora.init={adapters['qwen3']}", "actor.lora.rank=8"]))
+    with pytest.raises(ValueError, match=r"actor.lora: lora.init='.*' is not a PEFT adapter folder"):
+        load(RunConfig, None, [*base, f"actor.lora.init={tmp_path}"])
+
+
 def test_a_kind_the_family_lacks_is_refused_naming_its_kinds(hf_models):
     from megarl.models.hf.config import load_arch
     from megarl.models.lora.adapters import LoraConfig, chosen_kinds, kinds_of

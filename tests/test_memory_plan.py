@@ -126,7 +126,9 @@ def test_plan_matches_measured_phases():
     for row in rows[:-1]:
         for phase, figures in row["phases"].items():
             assert abs(figures["error"]) <= summary["bound"], (row["layout"], phase, figures)
-            assert figures["measured_gb"] > 0.5, "the state and logits dwarf the process's own memory"
+            # the smallest (TP2's log-probs) ~0.47 GB since the head's chunks became an eighth of the
+            # tokens: still ten times the process's own fluctuations
+            assert figures["measured_gb"] > 0.4, "the state and logits dwarf the process's own memory"
 
 
 def test_plan_matches_the_h200_slices():

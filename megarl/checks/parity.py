@@ -15,7 +15,7 @@ are not used again. Does not own the model's code paths (actor, critic) or check
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List
 
 import torch
@@ -136,7 +136,7 @@ def check_checkpoint(hf_dir: str, megatron_dir: str, dims: ParallelDims, grads: 
     chunks = build_model(arch, dims, perform_initialization=False)
     checkpoint.load(chunks, megatron_dir)
     if adapter_dir:
-        peft_io.start(chunks, arch, peft_io.read_config(adapter_dir, arch), adapter_dir)
+        peft_io.start(chunks, arch, replace(peft_io.read_config(adapter_dir, arch), init=adapter_dir))
     tokens = fixed_tokens(arch.vocab_size, batch, seq)
     ours = actor_run(chunks, arch, tokens, backward=grads, micro_batches=micro_batches,
                      adapters=adapter_dir is not None)

@@ -1,9 +1,10 @@
 """The `eval` section of a run's config: which held-out sets are evaluated, when, and how they are
 sampled and scored. Validated as it is built (typed_config), before any process starts."""
 
+import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 from megarl.rewards.functions import RewardTable
 from megarl.rewards.spec import parse_spec
@@ -48,9 +49,10 @@ class EvalSetConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation (megarl/evaluation): the sets, keyed by name (`eval.sets.heldout.path=
-    ...`), evaluated with the rollout engine's current weights before the first step, every
-    `every` steps and after the last step."""
-    sets: Dict[str, EvalSetConfig] = field(default_factory=dict)
+    ...`), or a list of files each named after its file (as verl's val_files), evaluated with the
+    rollout engine's current weights before the first step, every `every` steps and after the last
+    step."""
+    sets: Union[Dict[str, EvalSetConfig], Tuple[str, ...]] = field(default_factory=dict)
     every: int = 0  # evaluate after every N-th step (0: only at the start and after the last step)
     at_start: bool = True  # evaluate the initial weights (step 0) before a fresh run's first step
     samples: int = 1  # samples per prompt (n of pass@k)
@@ -62,6 +64,9 @@ class EvalConfig:
     max_new_tokens: int = 0  # 0: generation.max_new_tokens (the engine is sized for it: not above)
 
     def __post_init__(self):
+        if not isinstance(self.sets, dict):
+            object.__setattr__(self, "sets", {name: EvalSetConfig(path=path)
+                                              for name, path in set_names(self.sets).items()})
         for name in self.sets:
             if not _SET_NAME.match(name):
                 raise ValueError(f"eval.sets key {name!r}: a set's name is part of its metrics' names "
@@ -90,3 +95,19 @@ class EvalConfig:
     def due_after(self, step: int, last_step: int) -> bool:
         """Whether the weights after `step` are evaluated: every `every` steps and after the last."""
         return bool(self.sets) and (step == last_step or bool(self.every) and step % self.every == 0)
+
+
+def set_names(paths: Sequence[str]) -> Dict[str, str]:
+    """{name: path} of held-out files given as a list: each named after its file (test.jsonl ->
+    test); files of one name told apart by their folder (gsm8k/test.parquet -> gsm8k-test)."""
+    stem = {path: os.path.splitext(os.path.basename(path))[0] for path in paths}
+    shared = {s for s in stem.values() if list(stem.values()).count(s) > 1}
+    named = {}
+    for path in paths:
+        name = stem[path] if stem[path] not in shared else \
+            f"{os.path.basename(os.path.dirname(os.path.abspath(path)))}-{stem[path]}"
+        if name in named:
+            raise ValueError(f"eval.sets lists {named[name]!r} and {path!r}, both named {name!r}; give the "
+                             "sets as a mapping with names of your own (eval.sets.NAME.path=FILE)")
+        named[name] = path
+    return named

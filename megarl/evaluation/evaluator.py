@@ -25,7 +25,7 @@ def set_sampling(config: EvalConfig, name: str, seed: int, eos_token_id: int) ->
     Python's hash of a string differs between processes)."""
     if config.max_new_tokens < 1:
         raise ValueError(f"eval.max_new_tokens={config.max_new_tokens}: resolve 0 to the generation "
-                         "budget first (RunConfig.eval_config) or give a budget >= 1")
+                         "budget first (planning/resolved.resolved_eval) or give a budget >= 1")
     return SamplingConfig(n=config.samples, temperature=config.temperature, top_p=config.top_p,
                           max_new_tokens=config.max_new_tokens, stop_token_ids=(eos_token_id,),
                           seed=seed + zlib.crc32(name.encode()))
@@ -39,7 +39,7 @@ def evaluate(driver: TurnDriver, producer: SampleProducer, prompts_by_set: Mappi
     `driver`: drives this rank's engine, awake and holding the weights to evaluate (a VLLMEngine,
     or any StreamingEngine);
     `producer`: how samples are made (rollout/producer.load_producer); `config`: samples,
-    temperature, top_p, pass_k, threshold and max_new_tokens (>= 1: RunConfig.eval_config resolves
+    temperature, top_p, pass_k, threshold and max_new_tokens (>= 1: planning/resolved.resolved_eval resolves
     0) are read, not its sets; `tokenizer`: the policy's (decodes responses, gives the stop token);
     `seed`: the run's seed. Collective over the default process group (a standalone evaluator
     starts a gloo world of one): every rank returns the same metrics."""

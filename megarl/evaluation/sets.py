@@ -33,7 +33,7 @@ def load_sets(config: EvalConfig, tokenizer, max_prompt_len: int, overlong: str)
 
 @dataclass
 class HeldOut:
-    """What a run evaluates: `config` with its token budget resolved (RunConfig.eval_config),
+    """What a run evaluates: `config` with its token budget resolved (planning/resolved.resolved_eval),
     each set's prompts and Scorer."""
     config: EvalConfig
     prompts: Dict[str, List[Prompt]]

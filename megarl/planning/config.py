@@ -4,9 +4,8 @@ Sections that code below the trainer reads live beside it and are composed here:
 and async (megarl/rollout/config.py), actor, critic, eval (their packages' config.py).
 Does not own what runs (megarl/trainer/loop.py)."""
 
-import os
-from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple, Union
+from dataclasses import dataclass, field, fields, replace
+from typing import Dict, Optional, Tuple, Union
 
 from megarl.actor.config import ActorConfig
 from megarl.algos import pick
@@ -14,13 +13,10 @@ from megarl.algos.advantages import ADVANTAGE_ESTIMATORS, LONE_GROUPS, WHITENED_
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.critic.config import CriticConfig
 from megarl.evaluation.config import EvalConfig
-from megarl.models.hf.config import ModelArch
-from megarl.models.lora import peft_io
 from megarl.parallel_state.dims import ParallelDims
 from megarl.platform import device_choice
 from megarl.rewards.functions import RewardTable
-from megarl.rollout.config import AsyncConfig, DataConfig, EngineSpec, GenerationConfig
-from megarl.rollout.vllm.lora import AdapterSpec
+from megarl.rollout.config import AsyncConfig, DataConfig, GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -34,16 +30,10 @@ class ModelConfig:
     # auto: Transformer Engine's layer spec and kernels on a GPU when it imports; true: required;
     # false: Megatron's portable layer spec on CUDA too (said in the run's first lines).
     transformer_engine: Union[bool, str] = "auto"
-    # a PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) the actor's adapters
-    # start from; its rank, alpha and targets are the run's (actor.lora may repeat them)
-    lora_init: Optional[str] = None
 
     def __post_init__(self):
         if not self.hf_dir:
             raise ValueError("model.hf_dir is required (an HF checkpoint folder)")
-        if self.lora_init and not os.path.isfile(os.path.join(self.lora_init, "adapter_config.json")):
-            raise ValueError(f"model.lora_init={self.lora_init!r} is not a PEFT adapter folder (no "
-                             "adapter_config.json); give the folder PEFT's save_pretrained wrote")
         device_choice.te_setting(self.transformer_engine, device_choice.TE_KEY)
         if self.expert_bias_update_rate < 0:
             raise ValueError(f"model.expert_bias_update_rate={self.expert_bias_update_rate} must be "
@@ -253,10 +243,16 @@ class RunConfig:
                              f"max_new_tokens={self.generation.max_new_tokens}, which the engine's context "
                              "is sized for; lower it (0: the same budget) or raise generation.max_new_tokens")
         if not self.layout.disaggregated:
-            if self.async_.max_staleness:
-                raise ValueError(f"async.max_staleness={self.async_.max_staleness} needs rollout ranks of "
-                                 "their own (layout.rollout_world_size > 0): colocated engines cannot "
-                                 "generate while their ranks train")
+            # The async section drives rollout ranks of their own; a colocated run would ignore it.
+            changed = {f"async.{f.name}": getattr(self.async_, f.name) for f in fields(AsyncConfig)
+                       if getattr(self.async_, f.name) != getattr(AsyncConfig(), f.name)}
+            if changed:
+                named = ", ".join(f"{key}={value!r}" for key, value in changed.items())
+                raise ValueError(f"{named}: the async section applies only to rollout ranks of their own "
+                                 "(layout.rollout_world_size > 0); colocated engines generate between "
+                                 "their ranks' training phases, with the newest weights, in the "
+                                 "trainers' own processes: remove it, or give the engines ranks of "
+                                 "their own")
             return
         # key -> (its value where refused, why): what holds on a GPU cluster too (docs/async-and-
         # agents.md, "What composes with what").
@@ -289,32 +285,6 @@ class RunConfig:
     @property
     def engine_returns_routing(self) -> bool:
         return self.generation.return_routing or self.actor.router_replay == "rollout"
-
-    def engine_spec(self, arch: ModelArch) -> EngineSpec:
-        """The engines' settings from the model, layout and actor sections for the checkpoint's
-        `arch`. A LoRA actor's engines take its adapters alone each sync (into vLLM's LoRA slots,
-        or merged by the engine: vllm_lora.slots_refusal)."""
-        adapters = peft_io.run_config(self.actor.lora, self.model.lora_init, arch)
-        return EngineSpec(self.model.hf_dir, arch.dtype, self.seed, rollout_tp=self.layout.rollout_tp,
-                          rollout_ep=self.layout.rollout_ep, return_routing=self.engine_returns_routing,
-                          router_fp32=self.model.router_fp32,
-                          adapters=AdapterSpec(arch, adapters) if adapters else None)
-
-    @property
-    def eval_config(self) -> EvalConfig:
-        """The eval section with its token budget resolved (0: generation.max_new_tokens)."""
-        return replace(self.eval, max_new_tokens=self.eval.max_new_tokens or self.generation.max_new_tokens)
-
-    @property
-    def reward_tables(self) -> List[RewardTable]:
-        """Training's reward table, then each held-out set's (repeats included)."""
-        training = self.algo.reward_table
-        return [training, *(spec.reward_table(training) for spec in self.eval.sets.values())]
-
-    @property
-    def reward_model_dirs(self) -> List[str]:
-        """The reward models (rm:PATH) of every reward table: training's and the held-out sets'."""
-        return sorted({path for table in self.reward_tables for path in table.models})
 
     @property
     def critic_config(self) -> CriticConfig:

@@ -55,13 +55,13 @@ from megarl.actor.optimizer import (
 from megarl.actor.packing import plan_micro_batches
 from megarl.algos.vocab_parallel import working_bytes
 from megarl.models.hf.config import DTYPES, ModelArch
-from megarl.models.lora import peft_io
 from megarl.models.lora.adapters import LoraConfig
 from megarl.models.megatron.config import NO_RECOMPUTE, RecomputeConfig, padded_vocab_size
 from megarl.models.memory.activations import layer_elements, stage_bytes_per_token
 from megarl.models.memory.held_params import HeldParams, held_params
 from megarl.models.weights.destination import RolloutLayout, hf_tensors, vllm_rank_tensors
 from megarl.parallel_state.dims import ParallelDims
+from megarl.planning.resolved import ResolvedRun
 from megarl.platform import device_choice
 from megarl.resharding.plan import peak_bound
 
@@ -381,11 +381,12 @@ def run_kernels(te_setting) -> Tuple[bool, str]:
     return use_te, "te" if use_te else "torch"
 
 
-def request_for_run(config, arch: ModelArch, dims: ParallelDims, device_bytes: float, gpu: bool,
-                    runtime_bytes: float, reward_models: Tuple[ModelArch, ...] = ()) -> MemoryRequest:
-    """The plan's request for a RunConfig (the preflight's), micro-batches as its batching packs
-    them with every sequence at the longest the run allows, with the layer spec and Adam the run
-    builds (run_kernels; the CPU path: the portable spec and torch's AdamW)."""
+def request_for_run(run: ResolvedRun, device_bytes: float, gpu: bool, runtime_bytes: float,
+                    reward_models: Tuple[ModelArch, ...] = ()) -> MemoryRequest:
+    """The plan's request for a resolved run (planning/resolved.py: the preflight's), micro-batches
+    as its batching packs them with every sequence at the longest the run allows, with the layer
+    spec and Adam the run builds (run_kernels; the CPU path: the portable spec and torch's AdamW)."""
+    config, arch, dims = run.config, run.arch, run.dims
     longest = config.data.max_prompt_len + config.generation.max_new_tokens
     sequences = config.data.prompts_per_step * config.generation.samples_per_prompt
 
@@ -409,4 +410,4 @@ def request_for_run(config, arch: ModelArch, dims: ParallelDims, device_bytes: f
         kv_cache_bytes=config.generation.kv_cache_gib * 2**30,
         bucket_bytes=layout.sync_bucket_mb * 2**20, export_hf=config.checkpoint.export_hf,
         reward_models=reward_models, runtime_bytes=runtime_bytes, colocated=not layout.disaggregated,
-        actor_lora=peft_io.run_config(config.actor.lora, config.model.lora_init, arch))
+        actor_lora=run.adapters)

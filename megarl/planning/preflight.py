@@ -1,12 +1,13 @@
-"""Checks of a whole run before any process starts: the layout against the model, the rollout
-engines against the world and the model, sequence lengths and batch plans against the layout,
-and the prompt data (the held-out sets' too).
+"""Checks of a whole run before any process starts, and the run they pass: the layout against
+the model, the rollout engines against the world and the model, sequence lengths and batch plans
+against the layout, the memory plan, and the prompt data (the held-out sets' too).
 
 Each section of RunConfig validates itself when loaded; what needs two sections or the model's
-config.json is checked here, so a run that cannot work is refused (naming the values and the
-fix) before Ray places a worker or a GPU is touched. Does not own the checks' definitions:
-ParallelDims, transformer_config, check_rollout and plan_micro_batches are the ones the run
-itself applies later.
+config.json is checked here, on the resolved run (planning/resolved.py) that preflight returns, so a
+run that cannot work is refused (naming the values and the fix) before Ray places a worker or a
+GPU is touched, and the run that can is the one every rank then takes. Does not own the checks'
+definitions: ParallelDims, transformer_config, check_rollout and plan_micro_batches are the ones the
+run itself applies later.
 """
 
 import os
@@ -18,12 +19,13 @@ from megarl.actor.optimizer import offload_fields
 from megarl.actor.packing import plan_micro_batches
 from megarl.actor.passes import mini_batch_rows
 from megarl.evaluation.sets import load_sets
-from megarl.models.hf.config import ModelArch, arch_from_hf_config, load_hf_config, reward_model_arch
+from megarl.models.hf.config import ModelArch, load_hf_config, reward_model_arch
 from megarl.models.megatron.config import check_te_dtype, transformer_config
 from megarl.models.weights.destination import RolloutLayout, check_rollout
 from megarl.parallel_state.dims import ParallelDims
 from megarl.planning import memory_plan
 from megarl.planning.config import RunConfig
+from megarl.planning.resolved import ResolvedRun, resolve
 from megarl.platform import device_choice
 from megarl.rollout.agent.loop import uses_tools
 from megarl.rollout.builder import load_training_prompts
@@ -50,12 +52,13 @@ def _check_batching(batching: BatchingConfig, sequences: int, longest: int, dims
                              f"{error}") from error
 
 
-def _check_data(config: RunConfig) -> None:
+def _check_data(run: ResolvedRun) -> None:
     """The prompt file (and each held-out set's) reads, every record has its fields and a prompt,
     and the overlong ones are allowed: the same loads every rank does later, done once here so a
     bad file costs no start-up."""
     import transformers
 
+    config = run.config
     data = config.data
     if not os.path.isfile(data.path):
         raise FileNotFoundError(f"data.path={data.path!r} does not exist (a .jsonl or .parquet file "
@@ -68,19 +71,19 @@ def _check_data(config: RunConfig) -> None:
                 uses_tools(prompt.extra_info.get("agent_name"))
             except ValueError as error:
                 raise ValueError(f"{data.path} prompt {index}: {error}") from None
-    load_sets(config.eval, tokenizer, data.max_prompt_len, data.overlong_prompts)
-    for table in config.reward_tables:
+    load_sets(run.eval, tokenizer, data.max_prompt_len, data.overlong_prompts)
+    for table in run.reward_tables:
         table.check()
 
 
-def preflight(config: RunConfig) -> ParallelDims:
-    """Raise ValueError/FileNotFoundError naming the values if `config` cannot run; returns the
-    validated layout."""
+def preflight(config: RunConfig) -> ResolvedRun:
+    """The run `config` resolves to (planning/resolved.py), once it passed every check; raises
+    ValueError/FileNotFoundError naming the values if it cannot run."""
     config.logger.check_installed()  # the trackers' packages, before anything is loaded
     # MEGARL_DEVICE and MEGARL_TRANSFORMER_ENGINE against this machine: what is missing, named, first
     use_te = device_choice.uses_transformer_engine()
-    arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
-    dims = config.layout.dims()
+    run = resolve(config)
+    arch, dims = run.arch, run.dims
     transformer_config(arch, dims, use_te=use_te)  # the builder's check_model, then Megatron's
     check_te_dtype(arch.torch_dtype, use_te=use_te)
     _check_training_state(config, arch, dims)
@@ -93,28 +96,27 @@ def preflight(config: RunConfig) -> ParallelDims:
     _check_batching(config.actor.batching, sequences, longest, dims, "actor")
     if config.algo.uses_critic:
         _check_batching(config.critic.batching, sequences, longest, dims, "critic")
-    for path in config.reward_model_dirs:
+    for path in run.reward_model_dirs:
         _check_reward_model(path, dims, longest)
-    _check_memory(config, arch, dims)
-    _check_data(config)
-    return dims
+    _check_memory(run)
+    _check_data(run)
+    return run
 
 
-def _check_memory(config: RunConfig, arch: ModelArch, dims: ParallelDims) -> None:
+def _check_memory(run: ResolvedRun) -> None:
     """A GPU run's memory plan (planning/memory_plan.py) against layout.gpu_memory_gb, or this
     machine's GPU: refused, naming the phase that does not fit and the knobs left that would make
     it fit. Planned with the attention of the layer spec the run takes and the Adam Megatron builds
     (memory_plan.run_kernels: on a GPU this machine's; planned from elsewhere, the config's
     model.transformer_engine). CPU runs are not planned (nothing to size them against but the
     host's RAM)."""
-    gpu_gb = config.layout.gpu_memory_gb
+    gpu_gb = run.config.layout.gpu_memory_gb
     if gpu_gb is None:
         if not device_choice.on_gpu():
             return
         gpu_gb = torch.cuda.get_device_properties(0).total_memory / memory_plan.GB
-    rewards = tuple(reward_model_arch(load_hf_config(path), path)
-                    for path in config.reward_model_dirs)
-    request = memory_plan.request_for_run(config, arch, dims, gpu_gb * memory_plan.GB, gpu=True,
+    rewards = tuple(reward_model_arch(load_hf_config(path), path) for path in run.reward_model_dirs)
+    request = memory_plan.request_for_run(run, gpu_gb * memory_plan.GB, gpu=True,
                                           runtime_bytes=memory_plan.RUNTIME_RESERVE_GB * memory_plan.GB,
                                           reward_models=rewards)
     verdict = memory_plan.summary(request, memory_plan.plan_memory(request))

@@ -55,6 +55,15 @@ def _set_dotted(tree: Dict[str, Any], dotted: str) -> None:
     node[leaf] = parse_yaml(raw)
 
 
+def _same_shape(value: Any, kind: Any) -> bool:
+    """Whether `value` is the container `kind` is (a mapping for a dict or a section, a list for a
+    list or tuple): a Union's error then comes from that kind, naming what inside it is wrong."""
+    origin = typing.get_origin(kind)
+    if isinstance(value, dict):
+        return origin is dict or dataclasses.is_dataclass(kind)
+    return isinstance(value, (list, tuple)) and origin in (list, tuple)
+
+
 def _coerce(value: Any, kind: Any, path: str) -> Any:
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is typing.Union:
@@ -63,11 +72,15 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
         kinds = [a for a in args if a is not type(None)]
         if len(kinds) == 1:
             return _coerce(value, kinds[0], path)
+        shaped = None  # the error of the kind whose shape the value has (a mapping, a list): its own
         for inner in kinds:  # the first that takes it: Union[bool, str] reads off as False, auto as 'auto'
             try:
                 return _coerce(value, inner, path)
-            except ValueError:
-                pass
+            except ValueError as error:
+                if shaped is None and _same_shape(value, inner):
+                    shaped = error
+        if shaped is not None:
+            raise shaped
         names = " or ".join(getattr(k, "__name__", str(k)) for k in kinds)
         raise ValueError(f"{path} must be {names}, got {value!r} ({type(value).__name__})")
     if dataclasses.is_dataclass(kind):

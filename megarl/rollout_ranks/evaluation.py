@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 from megarl.evaluation.eval_metrics import aggregate
 from megarl.evaluation.evaluator import scored_rows, set_sampling
 from megarl.evaluation.sets import HeldOut, load_sets
-from megarl.planning.config import RunConfig
+from megarl.planning.resolved import ResolvedRun
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.engine import RolloutSample
 from megarl.rollout.shares import SharedDraws
@@ -58,10 +58,11 @@ class RolloutEvaluations:
     """Every rank of the rollout world holds one; `leader`: its rank 0's, which reads requests,
     scores and delivers."""
 
-    def __init__(self, config: RunConfig, tokenizer, channel: RolloutChannel, draws: SharedDraws,
+    def __init__(self, run: ResolvedRun, tokenizer, channel: RolloutChannel, draws: SharedDraws,
                  leader: bool):
+        config = run.config
         data, algo = config.data, config.algo
-        self.config, self.leader = config.eval_config, leader
+        self.config, self.leader = run.eval, leader
         if leader:
             def scorer_of(table):
                 return Scorer(table, algo.reward_workers, algo.reward_timeout_s, collective=False)

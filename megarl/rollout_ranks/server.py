@@ -39,9 +39,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megarl.models.hf.config import arch_from_hf_config, load_hf_config
 from megarl.parallel_state.roles import Role
-from megarl.planning.config import RunConfig
+from megarl.planning.resolved import ResolvedRun
 from megarl.platform import device_choice
 from megarl.resharding.adapter_sync import push_weights
 from megarl.rollout.builder import build_rollout_side
@@ -72,12 +71,11 @@ class _Clock:
         return out
 
 
-def serve(config: RunConfig, role: Role) -> None:
+def serve(run: ResolvedRun, role: Role) -> None:
     """Generate until the trainer stops the run. Collective over this generation's rollout ranks."""
+    config = run.config
     data = config.data
-    arch = arch_from_hf_config(load_hf_config(config.model.hf_dir))
-    side = build_rollout_side(config.engine_spec(arch), data, config.generation,
-                              sync_first_rank=role.first_rollout_rank)
+    side = build_rollout_side(run.engine, data, config.generation, sync_first_rank=role.first_rollout_rank)
     tokenizer, prompts, engine, producer = side.tokenizer, side.prompts.prompts, side.engine, side.producer
     channel = RolloutChannel(role.store)
     start = channel.wait_start(role.generation)
@@ -85,8 +83,8 @@ def serve(config: RunConfig, role: Role) -> None:
     sampler.load_state_dict(start.sampler_state)
     driver = TurnDriver(engine, config.async_.partial_rollout, version=0)
     draws = SharedDraws(producer, driver)
-    evaluations = (RolloutEvaluations(config, tokenizer, channel, draws, leader=role.rank == 0)
-                   if config.eval.sets else None)
+    evaluations = (RolloutEvaluations(run, tokenizer, channel, draws, leader=role.rank == 0)
+                   if run.eval.sets else None)
     steps = StepDraws(config, tokenizer, prompts, sampler, draws, leader=role.rank == 0)
     staleness, bucket = config.async_.max_staleness, config.layout.sync_bucket_mb * 2**20
     version, next_draw, next_send = start.version - 1, start.version + 1, start.version + 1
@@ -103,7 +101,7 @@ def serve(config: RunConfig, role: Role) -> None:
             if evaluations is not None:
                 evaluations.drop()
             driver.pause()
-            push_weights([], arch, engine, bucket, links=role.bridge)
+            push_weights([], run.arch, engine, bucket, links=role.bridge)
             version += 1
             driver.weights_updated(version)
             clock.lap("sync_s")

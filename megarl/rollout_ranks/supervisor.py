@@ -17,34 +17,34 @@ import time
 from typing import Callable
 
 from megarl.parallel_state import roles
-from megarl.planning.config import RunConfig
+from megarl.planning.resolved import ResolvedRun
 from megarl.rollout_ranks.channel import RolloutChannel
 
 POLL_S = 0.1
 
 
-def _engine_process(config: RunConfig, placement: roles.Placement, generation: int) -> None:
+def _engine_process(run: ResolvedRun, placement: roles.Placement, generation: int) -> None:
     from megarl.rollout_ranks.server import serve
 
     store = roles.launcher_store(placement)
-    serve(config, roles.start(placement, store, generation))
+    serve(run, roles.start(placement, store, generation))
 
 
-def _start_engine(config: RunConfig, placement: roles.Placement, generation: int, say: Callable[[str], None]):
+def _start_engine(run: ResolvedRun, placement: roles.Placement, generation: int, say: Callable[[str], None]):
     process = multiprocessing.get_context("spawn").Process(
-        target=_engine_process, args=(config, placement, generation), name=f"megarl-engine-{generation}")
+        target=_engine_process, args=(run, placement, generation), name=f"megarl-engine-{generation}")
     process.start()
     say(f"megarl: rollout engine process {process.pid} (generation {generation}) started")
     return process
 
 
-def supervise(config: RunConfig, placement: roles.Placement, say: Callable[[str], None]) -> None:
+def supervise(run: ResolvedRun, placement: roles.Placement, say: Callable[[str], None]) -> None:
     """Run this rank's engine until the trainers stop the run; `say` tells the user of each
     engine process started or lost (the trainer's console)."""
     channel = RolloutChannel(roles.launcher_store(placement))
-    limit = config.async_.max_engine_restarts
+    limit = run.config.async_.max_engine_restarts
     generation = 0
-    engine = _start_engine(config, placement, generation, say)
+    engine = _start_engine(run, placement, generation, say)
     while True:
         engine.join(timeout=POLL_S)
         exitcode = engine.exitcode  # read once: the process may end while this turn runs
@@ -69,4 +69,4 @@ def supervise(config: RunConfig, placement: roles.Placement, say: Callable[[str]
                                f"{engine.exitcode}: see this rank's log")
         generation = current
         time.sleep(POLL_S)
-        engine = _start_engine(config, placement, generation, say)
+        engine = _start_engine(run, placement, generation, say)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megarl.models.lora import peft_io
 from megarl.models.weights import checkpoint as model_checkpoint
-from megarl.planning.config import RunConfig
+from megarl.planning.resolved import ResolvedRun
 from megarl.platform import device_choice
 
 CHECKPOINTS = "checkpoints"
@@ -102,7 +102,7 @@ def complete_checkpoints(run_dir: str) -> List[str]:
 
 def save(run, step: int, keep: int) -> str:
     """Write the checkpoint of `step` (collective); keep the newest `keep` complete ones."""
-    config = run.config
+    config, resolved = run.config, run.resolved
     final = step_dir(config.run_dir, step)
     partial = final + ".partial"
     rank0 = dist.get_rank() == 0
@@ -112,13 +112,13 @@ def save(run, step: int, keep: int) -> str:
                 shutil.rmtree(os.path.join(os.path.dirname(final), name))
         os.makedirs(os.path.join(partial, "train_state"))
     dist.barrier()
-    model_checkpoint.save(run.actor.state.chunks, os.path.join(partial, "actor"), run.hf_config,
+    model_checkpoint.save(run.actor.state.chunks, os.path.join(partial, "actor"), resolved.hf_config,
                           hf_dir=config.model.hf_dir)
-    if run.adapters is not None:
-        peft_io.save(run.actor.state.chunks, run.arch, run.adapters, os.path.join(partial, ADAPTERS),
+    if resolved.adapters is not None:
+        peft_io.save(run.actor.state.chunks, run.arch, resolved.adapters, os.path.join(partial, ADAPTERS),
                      config.model.hf_dir)
     if run.critic is not None:
-        model_checkpoint.save(run.critic.state.chunks, os.path.join(partial, "critic"), run.hf_config)
+        model_checkpoint.save(run.critic.state.chunks, os.path.join(partial, "critic"), resolved.hf_config)
     torch.save({"actor": _train_state(run.actor.state),
                 "critic": None if run.critic is None else _train_state(run.critic.state),
                 "rng": _rng_states()}, _rank_file(partial))
@@ -151,11 +151,12 @@ def resolve(run_dir: str, resume: Optional[str]) -> Optional[str]:
     return resume
 
 
-def read_trainer_file(path: str, config: RunConfig, hf_config: dict) -> dict:
+def read_trainer_file(path: str, resolved: ResolvedRun) -> dict:
     """The checkpoint's trainer.json, refused with the difference if this run cannot continue it."""
+    config = resolved.config
     with open(os.path.join(path, TRAINER_FILE)) as f:
         saved = json.load(f)
-    model_checkpoint.require_model(os.path.join(path, "actor"), hf_config, config.model.hf_dir)
+    model_checkpoint.require_model(os.path.join(path, "actor"), resolved.hf_config, config.model.hf_dir)
     for role in ("actor", "critic") if saved["critic"] else ("actor",):
         model_checkpoint.check_files(os.path.join(path, role))
     if saved["layout"] != asdict(config.layout):
@@ -163,10 +164,10 @@ def read_trainer_file(path: str, config: RunConfig, hf_config: dict) -> dict:
                          f"{asdict(config.layout)}; optimizer states resume at the same layout only "
                          "(the actor/ and critic/ weights load at any layout via model.megatron_dir)")
     adapters = os.path.isdir(os.path.join(path, ADAPTERS))
-    if adapters != bool(config.actor.lora.rank or config.model.lora_init):
+    if adapters != (resolved.adapters is not None):
         raise ValueError(f"checkpoint {path} {'has' if adapters else 'has no'} LoRA adapters ({ADAPTERS}/) "
-                         f"but this run {'trains none' if adapters else 'trains some'} (actor.lora, "
-                         "model.lora_init); resume with the adapters the checkpoint was trained with")
+                         f"but this run {'trains none' if adapters else 'trains some'} (actor.lora); "
+                         "resume with the adapters the checkpoint was trained with")
     if saved["critic"] != config.algo.uses_critic:
         raise ValueError(f"checkpoint {path} has critic={saved['critic']} but algo.advantage="
                          f"{config.algo.advantage!r} {'uses' if config.algo.uses_critic else 'has no'} "
@@ -176,9 +177,9 @@ def read_trainer_file(path: str, config: RunConfig, hf_config: dict) -> dict:
 
 def load(run, path: str) -> int:
     """Restore weights, optimizers, schedules, RNG and data position from `path`; returns its step."""
-    saved = read_trainer_file(path, run.config, run.hf_config)
+    saved = read_trainer_file(path, run.resolved)
     model_checkpoint.load(run.actor.state.chunks, os.path.join(path, "actor"))
-    if run.adapters is not None:
+    if run.resolved.adapters is not None:
         peft_io.load(run.actor.state.chunks, os.path.join(path, ADAPTERS))
     if run.critic is not None:
         model_checkpoint.load(run.critic.state.chunks, os.path.join(path, "critic"))

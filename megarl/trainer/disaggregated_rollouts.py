@@ -28,9 +28,10 @@ import torch.distributed as dist
 from megarl.algos.staleness import sequence_lags
 from megarl.models.hf.config import ModelArch
 from megarl.parallel_state.roles import Role
-from megarl.planning.config import RunConfig
+from megarl.planning.resolved import ResolvedRun
 from megarl.resharding.adapter_sync import push_weights
 from megarl.rewards.scorer import Scorer
+from megarl.rollout.builder import load_training_prompts
 from megarl.rollout.collect import scored
 from megarl.rollout.engine import WeightLayout, WeightUpdateReport
 from megarl.rollout.prompts import Prompt, PromptSampler
@@ -68,10 +69,31 @@ class RemoteEngine:
         raise RuntimeError("the adapter sync loads adapters into a trainer rank")
 
 
+class DisaggregatedStart:
+    """A trainer rank beside rollout ranks of their own, before its models: no engine, the
+    tokenizer and the training prompts the rollout ranks' draws index (held-out sets are theirs)."""
+
+    def __init__(self, run: ResolvedRun, role: Role):
+        import transformers  # slow to import: only where a run starts
+
+        self.run, self.role = run, role
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(run.config.model.hf_dir)
+        self.prompts = load_training_prompts(run.config.data, self.tokenizer)
+        self.held_out_sizes: Dict[str, int] = {}  # the rollout ranks load and score them
+
+    def source(self, sampler: PromptSampler, scorer: Scorer, scorer_of,
+               actor, others) -> "DisaggregatedRollouts":
+        """The source; `scorer_of`, `actor` and `others` are the colocated start's (held-out sets
+        and the memory handoff), which the rollout ranks do without."""
+        return DisaggregatedRollouts(self.run, self.role, self.tokenizer, self.prompts.prompts, sampler,
+                                     scorer)
+
+
 class DisaggregatedRollouts:
-    def __init__(self, config: RunConfig, role: Role, tokenizer, prompts: List[Prompt],
+    def __init__(self, run: ResolvedRun, role: Role, tokenizer, prompts: List[Prompt],
                  sampler: PromptSampler, scorer: Scorer):
-        self.config, self.role, self.tokenizer = config, role, tokenizer
+        self.config, self.role, self.tokenizer = run.config, role, tokenizer
+        self.adapters = run.adapters is not None
         self.prompts, self.sampler, self.scorer = prompts, sampler, scorer
         self.channel = RolloutChannel(role.store)
         self.engine = None  # a RemoteEngine, once the first push knows the model (its LoRA slots)
@@ -105,7 +127,7 @@ class DisaggregatedRollouts:
             self.engine = RemoteEngine(WeightLayout(
                 "vllm", layout.rollout_world_size, layout.rollout_tp, layout.rollout_ep,
                 first_rank=self.role.first_rollout_rank,
-                adapters=self.config.engine_spec(arch).adapters is not None))
+                adapters=self.adapters))
         self.version, self.weights = version, (chunks, arch)
         if first and self.role.rank == 0:  # where the rollout side starts drawing
             self.channel.start(self.role.generation, Start(version, self.sampler.state_dict()))

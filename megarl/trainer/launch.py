@@ -19,7 +19,7 @@ import os
 from typing import Optional, Tuple
 
 from megarl.models.weights.destination import RolloutLayout
-from megarl.planning.config import RunConfig
+from megarl.planning.resolved import ResolvedRun
 from megarl.trainer import console, placement
 from megarl.trainer.worker_env import gloo_interface, node_interfaces, route_address, worker_env
 
@@ -48,21 +48,21 @@ class _Worker:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def train(self, config: RunConfig, resume: Optional[str], verbose: bool, inbox) -> dict:
+    def train(self, run: ResolvedRun, resume: Optional[str], verbose: bool, inbox) -> dict:
         """The loop, its output in this rank's log; megarl's lines to `inbox` (rank 0) if given."""
         import ray
 
         from megarl.trainer.loop import train
 
         rank = os.environ["RANK"]
-        with console.output(config.run_dir, f"rank{rank}", verbose, forward=inbox):
+        with console.output(run.config.run_dir, f"rank{rank}", verbose, forward=inbox):
             # Where this rank runs and the network settings it runs with: what a multi-node hang
             # is first checked against.
             settings = " ".join(f"{k}={v}" for k, v in sorted(worker_env(os.environ, gpus=False).items()))
             print(f"megarl: rank {rank} of {os.environ['WORLD_SIZE']} on Ray node {self.node()} "
                   f"({ray.util.get_node_ip_address()}), local rank {os.environ['LOCAL_RANK']} of "
                   f"{os.environ['LOCAL_WORLD_SIZE']}; settings: {settings or 'none'}", flush=True)
-            return train(config, resume)
+            return train(run, resume)
 
 
 def _results(ray, refs: list, run_dir: str, inbox) -> dict:
@@ -92,9 +92,9 @@ def _results(ray, refs: list, run_dir: str, inbox) -> dict:
     return ray.get(refs[0])
 
 
-def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optional[str] = None,
+def launch(run: ResolvedRun, ray_address: Optional[str] = None, resume: Optional[str] = None,
            verbose: bool = False) -> dict:
-    """Run the loop on `config.layout.world_size` Ray workers (plus layout.rollout_world_size
+    """Run the resolved run's loop on layout.world_size Ray workers (plus layout.rollout_world_size
     rollout workers); returns rank 0's last metrics. `verbose`: every worker's output forwarded to
     this terminal, as Ray does by default."""
     import ray
@@ -102,6 +102,7 @@ def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optiona
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    config = run.config
     layout = config.layout
     world = layout.world_size + layout.rollout_world_size
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=verbose)
@@ -134,7 +135,7 @@ def launch(config: RunConfig, ray_address: Optional[str] = None, resume: Optiona
                  for rank, w in enumerate(workers)])
         # No CPU of its own: the placement group may hold every one.
         inbox = None if verbose else Queue(actor_options={"num_cpus": 0})
-        refs = [w.train.remote(config, resume, verbose, inbox if rank == 0 else None)
+        refs = [w.train.remote(run, resume, verbose, inbox if rank == 0 else None)
                 for rank, w in enumerate(workers)]
         return _results(ray, refs, config.run_dir, inbox)
     finally:

@@ -27,27 +27,25 @@ from megarl.algos.advantage_step import advantage_step
 from megarl.critic.critic import Critic
 from megarl.critic.reward_model import RewardModel
 from megarl.evaluation.eval_metrics import summary
-from megarl.evaluation.sets import HeldOut
-from megarl.models.hf.config import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.models.hf.config import ModelArch
 from megarl.models.hf.weights_io import load_hf_weights
 from megarl.models.lora import peft_io
-from megarl.models.lora.adapters import LoraConfig
 from megarl.models.megatron.builder import build_model
 from megarl.models.weights import checkpoint as model_checkpoint
 from megarl.parallel_state import megatron_groups, roles
 from megarl.planning import flops
 from megarl.planning.config import AlgoConfig, RunConfig
+from megarl.planning.resolved import ResolvedRun
 from megarl.platform import device_memory
 from megarl.resharding.hf_export import export_hf
 from megarl.rewards.scorer import Scorer
-from megarl.rollout.builder import RolloutSide, build_rollout_side, load_training_prompts
 from megarl.rollout.prompts import PromptSampler
 from megarl.rollout_ranks.supervisor import supervise
 from megarl.trainer import checkpoint, console
-from megarl.trainer.disaggregated_rollouts import DisaggregatedRollouts
+from megarl.trainer.disaggregated_rollouts import DisaggregatedStart
 from megarl.trainer.metrics import MetricsLog, PhaseTimer
 from megarl.trainer.plots import plot_run
-from megarl.trainer.rollout_source import ColocatedRollouts, Rollouts, RolloutSource
+from megarl.trainer.rollout_source import ColocatedStart, Rollouts, RolloutSource
 from megarl.trainer.step_metrics import max_over_ranks, step_metrics
 
 
@@ -63,15 +61,6 @@ def with_advantages(batch, algo: AlgoConfig, max_new_tokens: int):
     return batch.with_fields(advantages=advantages, returns=returns)
 
 
-def _colocated_side(config: RunConfig, arch: ModelArch) -> RolloutSide:
-    """This rank's rollout side, its engine asleep. Made before any training state: on a GPU vLLM
-    starts only with gpu_memory_utilization x the device free, and its weights come from each
-    step's sync."""
-    side = build_rollout_side(config.engine_spec(arch), config.data, config.generation)
-    side.engine.release_memory()
-    return side
-
-
 def _load(chunks, arch, config: RunConfig, role: str) -> None:
     if role == "policy" and config.model.megatron_dir:
         model_checkpoint.load(chunks, config.model.megatron_dir)
@@ -82,15 +71,20 @@ def _load(chunks, arch, config: RunConfig, role: str) -> None:
 @dataclass
 class Run:
     """Everything one rank holds for a run, built once by `setup`."""
-    config: RunConfig
-    arch: ModelArch
-    hf_config: dict
+    resolved: ResolvedRun  # the run as preflight resolved it: config, arch, adapters, ...
     actor: Actor
     critic: Optional[Critic]
     source: RolloutSource
     sampler: PromptSampler  # the data position, saved in checkpoints
     device: str  # for MFU: the accelerator's name ("cpu" without one)
-    adapters: Optional[LoraConfig] = None  # the actor's LoRA adapters (None: full fine-tuning)
+
+    @property
+    def config(self) -> RunConfig:
+        return self.resolved.config
+
+    @property
+    def arch(self) -> ModelArch:
+        return self.resolved.arch
 
 
 @dataclass(frozen=True)
@@ -99,32 +93,31 @@ class StepResult:
     rollouts: Rollouts  # with the trained batch (log-probs, values, advantages)
 
 
-def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] = None) -> Tuple[Run, int]:
-    """Processes, models, rollout source and data for `config`, restored from the checkpoint
-    `resume` names (None, 'auto' or a path); `role`: this trainer rank's place in a disaggregated
-    job (None: colocated engines). Returns the run and the last step already done. Collective."""
-    import transformers  # slow to import: only where a run starts
+def _rollout_start(resolved: ResolvedRun, role: Optional[roles.Role]):
+    """Where this trainer rank's rollouts come from, made before its models: colocated engines
+    (role None) or rollout ranks of their own."""
+    return ColocatedStart(resolved) if role is None else DisaggregatedStart(resolved, role)
 
-    layout = config.layout
+
+def setup(resolved: ResolvedRun, resume: Optional[str],
+          role: Optional[roles.Role] = None) -> Tuple[Run, int]:
+    """Processes, models, rollout source and data for the resolved run, restored from the
+    checkpoint `resume` names (None, 'auto' or a path); `role`: this trainer rank's place in a
+    disaggregated job (None: colocated engines). Returns the run and the last step already done.
+    Collective."""
+    config, arch, dims = resolved.config, resolved.arch, resolved.dims
     world = megatron_groups.init_distributed(config.collective_timeout_s, say=console.say)
-    if world != layout.world_size:
-        raise ValueError(f"layout.world_size={layout.world_size} but {world} processes were started; "
-                         "make them agree (torchrun --nproc-per-node, or let Ray place the workers)")
-    dims = layout.dims()
-    hf_config = load_hf_config(config.model.hf_dir)
-    arch = arch_from_hf_config(hf_config)
-    if config.engine_returns_routing and not arch.num_experts:
-        raise ValueError(f"generation.return_routing / actor.router_replay=rollout need a MoE model; "
-                         f"{arch.family} routes nothing: turn them off")
-    adapters = peft_io.run_config(config.actor.lora, config.model.lora_init, arch)
+    if world != config.layout.world_size:
+        raise ValueError(f"layout.world_size={config.layout.world_size} but {world} processes were "
+                         "started; make them agree (torchrun --nproc-per-node, or let Ray place the workers)")
     resume_from = checkpoint.resolve(config.run_dir, resume)
     # Refuse checkpoints this run cannot use before anything is built.
     if resume_from:
-        checkpoint.read_trainer_file(resume_from, config, hf_config)
+        checkpoint.read_trainer_file(resume_from, resolved)
     if config.model.megatron_dir:
-        model_checkpoint.require_model(config.model.megatron_dir, hf_config, config.model.hf_dir)
+        model_checkpoint.require_model(config.model.megatron_dir, resolved.hf_config, config.model.hf_dir)
     # Before Megatron seeds the RNGs (vLLM seeds them too), so the models are built as without it.
-    side = _colocated_side(config, arch) if role is None else None
+    start = _rollout_start(resolved, role)
     megatron_groups.initialize(dims, seed=config.seed, timeout_s=config.collective_timeout_s)
     rank0 = megatron_groups.is_rank0()
     if rank0:
@@ -135,7 +128,7 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
     actor_chunks = build_model(arch, dims, perform_initialization=False, recompute=config.actor.recompute,
                                **config.model.transformer_overrides())
     _load(actor_chunks, arch, config, "policy")
-    peft_io.start(actor_chunks, arch, adapters, config.model.lora_init)
+    peft_io.start(actor_chunks, arch, resolved.adapters)
     actor = Actor(actor_chunks, arch, config.actor_config)
     if config.actor.kl_loss_coeff or config.algo.kl_reward_coeff:
         actor.snapshot_reference()  # the initial weights, also when resuming
@@ -146,37 +139,24 @@ def setup(config: RunConfig, resume: Optional[str], role: Optional[roles.Role] =
         _load(critic_chunks, arch, config, "value")
         critic = Critic(critic_chunks, config.critic_config)
 
-    data = config.data
-    if role is None:
-        tokenizer, prompts = side.tokenizer, side.prompts
-    else:  # beside rollout ranks of their own: no engine, the prompts their draws index
-        tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
-        prompts = load_training_prompts(data, tokenizer)
-    sampler = PromptSampler(len(prompts.prompts), data.prompts_per_step, data.seed)
-    algo = config.algo
-    reward_models = {path: RewardModel(path, dims, config.actor.batching, tokenizer,
+    data, algo = config.data, config.algo
+    sampler = PromptSampler(len(start.prompts.prompts), data.prompts_per_step, data.seed)
+    reward_models = {path: RewardModel(path, dims, config.actor.batching, start.tokenizer,
                                        **config.model.transformer_overrides())
-                     for path in config.reward_model_dirs}
+                     for path in resolved.reward_model_dirs}
 
     def scorer_of(table):
         return Scorer(table, algo.reward_workers, algo.reward_timeout_s, reward_models)
 
-    scorer = scorer_of(algo.reward_table)
-    if role is not None:
-        source = DisaggregatedRollouts(config, role, tokenizer, prompts.prompts, sampler, scorer)
-    else:
-        held_out = HeldOut.load(config.eval_config, tokenizer, data.max_prompt_len, data.overlong_prompts,
-                                scorer, scorer_of)
-        source = ColocatedRollouts(config, side.engine, side.producer, tokenizer, prompts.prompts, sampler,
-                                   scorer, actor.state, [critic.state] if critic is not None else [],
-                                   held_out)
-    run = Run(config, arch, hf_config, actor, critic, source, sampler, flops.device_name(), adapters)
+    source = start.source(sampler, scorer_of(algo.reward_table), scorer_of, actor.state,
+                          [critic.state] if critic is not None else [])
+    run = Run(resolved, actor, critic, source, sampler, flops.device_name())
     done = checkpoint.load(run, resume_from) if resume_from else 0
     source.push_weights(actor_chunks, arch, version=done)
     if rank0:
         resumed = f"; resumed from {resume_from} (step {done})" if resume_from else ""
-        sets = "".join(f"; held-out {name}: {len(held)} prompts"
-                       for name, held in (held_out.prompts.items() if role is None else ()))
+        sets = "".join(f"; held-out {name}: {size} prompts" for name, size in start.held_out_sizes.items())
+        prompts = start.prompts
         console.say(f"megarl: {len(prompts.prompts)} prompts ({prompts.dropped_too_long} longer "
                     f"than {data.max_prompt_len} tokens dropped){sets}; logs in {config.run_dir}{resumed}")
     return run, done
@@ -267,18 +247,19 @@ def _report(run: Run, log: MetricsLog, rollouts: Rollouts) -> None:
         console.say(f"[reward {reward:.1f}] {rollouts.prompts[group].text!r} -> {response!r}")
 
 
-def train(config: RunConfig, resume: Optional[str] = None) -> dict:
-    """Run steps up to config.steps, from the checkpoint `resume` names (None, 'auto' or a path);
-    returns the last step's metrics (a rollout rank returns {}). Collective."""
+def train(resolved: ResolvedRun, resume: Optional[str] = None) -> dict:
+    """Run the resolved run's steps up to config.steps, from the checkpoint `resume` names (None,
+    'auto' or a path); returns the last step's metrics (a rollout rank returns {}). Collective."""
+    config = resolved.config
     role = None
     if config.layout.disaggregated:
         layout = config.layout
         placement = roles.Placement(layout.world_size, layout.rollout_world_size, config.collective_timeout_s)
         if placement.role_of(roles.launcher_rank(placement)) == roles.ROLLOUT:
-            supervise(config, placement, console.say)
+            supervise(resolved, placement, console.say)
             return {}
         role = roles.start(placement, roles.launcher_store(placement))
-    run, done = setup(config, resume, role)
+    run, done = setup(resolved, resume, role)
     log = MetricsLog(config.run_dir, config.steps, done + 1, enabled=megatron_groups.is_rank0(),
                      logger=config.logger, settings=asdict(config))
     at_start = _evaluation(run, 0) if done == 0 else {}
@@ -294,11 +275,11 @@ def train(config: RunConfig, resume: Optional[str] = None) -> dict:
             checkpoint.save(run, number, config.checkpoint.keep)
     log.close()
     if config.checkpoint.export_hf:  # with the adapters merged in, as the engine generates
-        export_hf(run.actor.state.chunks, run.arch, run.hf_config, config.model.hf_dir,
+        export_hf(run.actor.state.chunks, run.arch, resolved.hf_config, config.model.hf_dir,
                   os.path.join(config.run_dir, "hf"), say=console.say)
-    if run.adapters is not None:
-        peft_io.save(run.actor.state.chunks, run.arch, run.adapters, os.path.join(config.run_dir, "lora"),
-                     config.model.hf_dir)
+    if resolved.adapters is not None:
+        peft_io.save(run.actor.state.chunks, run.arch, resolved.adapters,
+                     os.path.join(config.run_dir, "lora"), config.model.hf_dir)
     if log.enabled and result is not None:
         _report(run, log, result.rollouts)
     run.source.shutdown()

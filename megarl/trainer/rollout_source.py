@@ -25,8 +25,10 @@ from megarl.evaluation.evaluator import evaluate
 from megarl.evaluation.sets import HeldOut
 from megarl.models.hf.config import ModelArch
 from megarl.planning.config import RunConfig
+from megarl.planning.resolved import ResolvedRun
 from megarl.resharding.adapter_sync import push_weights
 from megarl.rewards.scorer import Scorer
+from megarl.rollout.builder import build_rollout_side
 from megarl.rollout.collect import Collected, collect, keep_informative
 from megarl.rollout.engine import StreamingEngine
 from megarl.rollout.producer import SampleProducer
@@ -88,6 +90,27 @@ class _Pushed(NamedTuple):
     chunks: List[torch.nn.Module]
     arch: ModelArch
     version: int
+
+
+class ColocatedStart:
+    """A colocated rank's rollout side, made before its models (on a GPU vLLM starts only with
+    gpu_memory_utilization x the device free), its engine asleep until the first step's sync."""
+
+    def __init__(self, run: ResolvedRun):
+        self.run = run
+        self.side = build_rollout_side(run.engine, run.config.data, run.config.generation)
+        self.side.engine.release_memory()
+        self.tokenizer, self.prompts = self.side.tokenizer, self.side.prompts
+        self.held_out_sizes: Dict[str, int] = {}
+
+    def source(self, sampler: PromptSampler, scorer: Scorer, scorer_of, actor: TrainState,
+               others: Sequence[TrainState]) -> "ColocatedRollouts":
+        data, side = self.run.config.data, self.side
+        held_out = HeldOut.load(self.run.eval, self.tokenizer, data.max_prompt_len, data.overlong_prompts,
+                                scorer, scorer_of)
+        self.held_out_sizes = {name: len(prompts) for name, prompts in held_out.prompts.items()}
+        return ColocatedRollouts(self.run.config, side.engine, side.producer, self.tokenizer,
+                                 self.prompts.prompts, sampler, scorer, actor, others, held_out)
 
 
 class ColocatedRollouts:

@@ -11,6 +11,7 @@ any update. --lora-refusals records what attaching a MoE model's adapters at exp
 import argparse
 import json
 import os
+from dataclasses import replace
 
 import torch
 
@@ -24,12 +25,12 @@ from megarl.parallel_state.dims import ParallelDims
 
 
 def _adapted(megatron_dir: str, adapter_dir: str, dims: ParallelDims):
-    """The model at `dims` with the folder's adapters, as a run with model.lora_init starts."""
+    """The model at `dims` with the folder's adapters, as a run with actor.lora.init starts."""
     arch = arch_from_hf_config(checkpoint.read_model_file(megatron_dir)["hf_config"])
     chunks = build_model(arch, dims, perform_initialization=False)
     checkpoint.load(chunks, megatron_dir)
-    config = peft_io.read_config(adapter_dir, arch)
-    peft_io.start(chunks, arch, config, adapter_dir)
+    config = replace(peft_io.read_config(adapter_dir, arch), init=adapter_dir)
+    peft_io.start(chunks, arch, config)
     return arch, chunks, config
 
 

@@ -22,6 +22,7 @@ its HF name, on the whole tensor before the cut: every layout starts from the sa
 """
 
 import math
+import os
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -84,9 +85,15 @@ class LoraConfig:
     # 2 * alpha when gate_proj and up_proj are its targets)
     kind_ranks: Dict[str, int] = field(default_factory=dict)
     kind_alphas: Dict[str, float] = field(default_factory=dict)
+    # a PEFT folder (adapter_config.json, adapter_model.safetensors) the adapters start from: its
+    # rank, alpha and targets are the run's (rank may repeat them; 0 takes the folder's)
+    init: Optional[str] = None
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))
+        if self.init and not os.path.isfile(os.path.join(self.init, "adapter_config.json")):
+            raise ValueError(f"lora.init={self.init!r} is not a PEFT adapter folder (no "
+                             "adapter_config.json); give the folder PEFT's save_pretrained wrote")
         if self.rank < 0:
             raise ValueError(f"lora.rank={self.rank} must be >= 0 (0: no adapters)")
         if not 0 <= self.dropout < 1:

@@ -10,7 +10,7 @@ matrices, cut for the layout, so loading cuts and saving joins: no arithmetic, a
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -261,17 +261,17 @@ def _patterns(arch: ModelArch, by_kind: Dict[str, float]) -> Dict[str, float]:
     return patterns
 
 
-def run_config(wanted: LoraConfig, init: Optional[str], arch: ModelArch) -> Optional[LoraConfig]:
-    """The adapters a run trains (None: full fine-tuning): actor.lora, or the PEFT folder `init`'s
-    own settings, refused where the two disagree or a target is missing from the model. Reads
-    only config files: call before anything is built."""
+def run_config(wanted: LoraConfig, arch: ModelArch) -> Optional[LoraConfig]:
+    """The adapters a run trains (None: full fine-tuning): actor.lora, or with actor.lora.init the
+    PEFT folder's own settings, refused where the two disagree or a target is missing from the
+    model. Reads only config files: call before anything is built (planning/resolved.py does)."""
     config = wanted
-    if init:
-        config = read_config(init, arch)
+    if wanted.init:
+        config = replace(read_config(wanted.init, arch), init=wanted.init)
         if wanted.rank and (wanted.rank, wanted.alpha, wanted.rslora) != (config.rank, config.alpha,
                                                                            config.rslora):
             raise ValueError(f"actor.lora (rank {wanted.rank}, alpha {wanted.alpha}, rslora "
-                             f"{wanted.rslora}) differs from model.lora_init={init!r} (rank "
+                             f"{wanted.rslora}) differs from actor.lora.init={wanted.init!r} (rank "
                              f"{config.rank}, alpha {config.alpha}, rslora {config.rslora}); drop "
                              "actor.lora's rank to take the folder's")
     if not config.rank:
@@ -280,11 +280,10 @@ def run_config(wanted: LoraConfig, init: Optional[str], arch: ModelArch) -> Opti
     return config
 
 
-def start(chunks: List[torch.nn.Module], arch: ModelArch, config: Optional[LoraConfig],
-          init: Optional[str]) -> None:
-    """The actor's adapters on its chunks (lora.attach), from `init` if given. Collective."""
+def start(chunks: List[torch.nn.Module], arch: ModelArch, config: Optional[LoraConfig]) -> None:
+    """The actor's adapters on its chunks (lora.attach), from config.init if given. Collective."""
     if config is None:
         return
     attach(chunks, arch, config)
-    if init:
-        load(chunks, init)
+    if config.init:
+        load(chunks, config.init)

@@ -1,0 +1,73 @@
+"""The run as it will be, resolved once: the config with everything derived from it and the
+checkpoint's config.json that more than one part of megarl needs.
+
+Owns deriving those values: the model's architecture, the training layout, the actor's LoRA
+adapters (actor.lora, or the PEFT folder actor.lora.init names), the rollout engines' settings,
+the held-out evaluation with its token budget, and the reward tables. preflight builds it (and
+checks the run against it); the trainer's setup, the rollout ranks, the memory plan and the
+checkpoints read it, and none of them derives any of its parts again. Reads only config files:
+nothing is built, no process group exists.
+"""
+
+from dataclasses import dataclass, replace
+from typing import Optional, Tuple
+
+from megarl.evaluation.config import EvalConfig
+from megarl.models.hf.config import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.models.lora import peft_io
+from megarl.models.lora.adapters import LoraConfig
+from megarl.parallel_state.dims import ParallelDims
+from megarl.planning.config import RunConfig
+from megarl.rewards.functions import RewardTable
+from megarl.rollout.config import EngineSpec
+from megarl.rollout.vllm.lora import AdapterSpec
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    config: RunConfig
+    hf_config: dict  # the policy checkpoint's config.json (model.hf_dir)
+    arch: ModelArch
+    dims: ParallelDims  # the training layout, validated
+    adapters: Optional[LoraConfig]  # the actor's LoRA adapters (None: full fine-tuning)
+    engine: EngineSpec  # what the rollout engines are made of
+    eval: EvalConfig  # the held-out sets, with the token budget resolved
+    reward_tables: Tuple[RewardTable, ...]  # training's, then each held-out set's (in eval.sets order)
+
+    @property
+    def reward_model_dirs(self) -> Tuple[str, ...]:
+        """The reward models (rm:PATH) of every reward table: training's and the held-out sets'."""
+        return tuple(sorted({path for table in self.reward_tables for path in table.models}))
+
+
+def resolved_eval(config: RunConfig) -> EvalConfig:
+    """The eval section with its token budget resolved (0: generation.max_new_tokens); also what
+    scripts/evaluate.py evaluates a run's sets with."""
+    return replace(config.eval, max_new_tokens=config.eval.max_new_tokens or config.generation.max_new_tokens)
+
+
+def engine_spec(config: RunConfig, arch: ModelArch, adapters: Optional[LoraConfig]) -> EngineSpec:
+    """The engines' settings from the model, layout and actor sections for the checkpoint's
+    `arch`. A LoRA actor's engines take its adapters alone each sync (into vLLM's LoRA slots, or
+    merged by the engine: vllm_lora.slots_refusal)."""
+    return EngineSpec(config.model.hf_dir, arch.dtype, config.seed, rollout_tp=config.layout.rollout_tp,
+                      rollout_ep=config.layout.rollout_ep, return_routing=config.engine_returns_routing,
+                      router_fp32=config.model.router_fp32,
+                      adapters=AdapterSpec(arch, adapters) if adapters else None)
+
+
+def resolve(config: RunConfig, hf_config: Optional[dict] = None) -> ResolvedRun:
+    """`config` resolved against its checkpoint's config.json (`hf_config`: that file's content
+    given instead, e.g. a published config planned without its weights) and the PEFT folder's
+    with actor.lora.init; raises naming the values where they cannot be."""
+    hf_config = load_hf_config(config.model.hf_dir) if hf_config is None else hf_config
+    arch = arch_from_hf_config(hf_config)
+    if config.engine_returns_routing and not arch.num_experts:
+        raise ValueError(f"generation.return_routing / actor.router_replay=rollout need a MoE model; "
+                         f"{arch.family} routes nothing: turn them off")
+    adapters = peft_io.run_config(config.actor.lora, arch)
+    training = config.algo.reward_table
+    tables = (training, *(spec.reward_table(training) for spec in config.eval.sets.values()))
+    return ResolvedRun(config=config, hf_config=hf_config, arch=arch, dims=config.layout.dims(),
+                       adapters=adapters, engine=engine_spec(config, arch, adapters),
+                       eval=resolved_eval(config), reward_tables=tables)
