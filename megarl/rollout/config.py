@@ -91,7 +91,7 @@ class AsyncConfig:
 @dataclass(frozen=True)
 class EngineSpec:
     """What a run's engines are made of besides the data and generation sections, gathered from
-    the others (RunConfig.engine_spec): not a YAML section, derived, never written back."""
+    the others (planning/resolved.engine_spec): not a YAML section, derived, never written back."""
     hf_dir: str  # the policy's checkpoint: architecture and tokenizer (weights come from the sync)
     dtype: str  # the checkpoint's (ModelArch.dtype)
     seed: int
