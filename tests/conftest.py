@@ -108,6 +108,10 @@ TIERS = {
         "test_a_reward_file_outside_any_package_as_verl_names_it")}),
     "test_rollout_engine": (UNIT, {"test_sampling_parameters_reach_vllm": E2E}),
     "test_routing_replay": E2E,  # vLLM returns routing; the actor replays it
+    # the code sandbox tried as a red team would (bubblewrap processes, a tool worker); seconds
+    "test_sandbox": DISTRIBUTED,
+    # the SandboxFusion client against a small real run_code server in the test; seconds
+    "test_sandbox_http": DISTRIBUTED,
     "test_routing_holes": UNIT,
     "test_slurm": E2E,
     "test_slurm_env": DISTRIBUTED,  # sources the sbatch scripts' env.sh in bash

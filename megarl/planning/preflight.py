@@ -27,7 +27,7 @@ from megarl.planning import memory_plan
 from megarl.planning.config import RunConfig
 from megarl.planning.resolved import ResolvedRun, resolve
 from megarl.platform import device_choice
-from megarl.rollout.agent.loop import uses_tools
+from megarl.rollout.agent.loop import load_tools, uses_tools
 from megarl.rollout.builder import load_training_prompts
 from megarl.rollout.vllm.engine import check_engine_ep
 
@@ -66,6 +66,7 @@ def _check_data(run: ResolvedRun) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
     prompts = load_training_prompts(data, tokenizer)
     if config.generation.producer == "agent":
+        load_tools(config.generation.agent)  # they load, and their code sandbox works here
         for index, prompt in enumerate(prompts.prompts):
             try:
                 uses_tools(prompt.extra_info.get("agent_name"))

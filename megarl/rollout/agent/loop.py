@@ -37,8 +37,9 @@ import torch
 
 from megarl.plugins.worker_pool import Result, WorkerPool
 from megarl.rollout.agent.chat_insert import first_prompt_ids, inserted_ids
+from megarl.rollout.agent.sandbox import LIMITS
 from megarl.rollout.agent.tool_calls import ParsedTurn, load_parser
-from megarl.rollout.agent.tools import load_tool, loaded_tools
+from megarl.rollout.agent.tools import SANDBOXES, CodeSandbox, Tool, load_tool, loaded_tools
 from megarl.rollout.draws import Draw, Draws
 from megarl.rollout.engine import RolloutSample, SamplingConfig, sample_seed
 from megarl.rollout.prompts import Prompt
@@ -58,6 +59,16 @@ class AgentConfig:
     max_tool_output_chars: int = 4096
     tool_timeout_s: float = 30.0
     tool_workers: int = 4  # 0: tools run in the trainer process, one by one, no timeout
+    # Where tools that run code (the built-in python) run it: local (bubblewrap on this machine,
+    # rollout/agent/sandbox.py) or http (a SandboxFusion run_code endpoint, sandbox_http.py)
+    sandbox: str = "local"
+    sandbox_url: str = ""  # http: the endpoint, e.g. http://host:8080/run_code
+    sandbox_timeout_s: float = 30.0  # http: one request's limit (the code's own is 20 s)
+    sandbox_retries: int = 1  # http: a request with no answer or a 502-504 is sent again this often
+
+    @property
+    def code_sandbox(self) -> CodeSandbox:
+        return CodeSandbox(self.sandbox, self.sandbox_url, self.sandbox_timeout_s, self.sandbox_retries)
 
     def __post_init__(self):
         if self.max_turns < 1 or self.max_tool_output_chars < 1:
@@ -66,6 +77,25 @@ class AgentConfig:
         if self.tool_workers < 0 or self.tool_timeout_s <= 0:
             raise ValueError(f"generation.agent.tool_workers={self.tool_workers} must be >= 0 and "
                              f"tool_timeout_s={self.tool_timeout_s} > 0")
+        if self.sandbox not in SANDBOXES:
+            raise ValueError(f"generation.agent.sandbox={self.sandbox!r}; choose one of {SANDBOXES}")
+        if self.sandbox == "http" and not self.sandbox_url.startswith(("http://", "https://")):
+            raise ValueError(f"generation.agent.sandbox=http needs sandbox_url, a run_code endpoint such as "
+                             f"http://host:8080/run_code (got {self.sandbox_url!r})")
+        if self.sandbox_timeout_s <= LIMITS.wall_s or self.sandbox_retries < 0:
+            raise ValueError(f"generation.agent.sandbox_timeout_s={self.sandbox_timeout_s} must exceed the "
+                             f"code's own limit of {LIMITS.wall_s:g} s, and sandbox_retries="
+                             f"{self.sandbox_retries} be >= 0")
+
+
+def load_tools(config: AgentConfig) -> List[Tool]:
+    """The configured tools, each loaded, and the sandbox checked on this machine when one of them
+    runs code: preflight calls it before any process starts, the agent loop again where the tools
+    run (a machine where the sandbox cannot work is refused, naming what it lacks)."""
+    tools = [load_tool(key)[0] for key in config.tools]
+    if any(tool.runs_code for tool in tools):
+        config.code_sandbox.check()
+    return tools
 
 
 @dataclass(eq=False)
@@ -120,7 +150,7 @@ class AgentLoop(Draws[_Conversation]):
         super().__init__()
         self.tokenizer, self.config = tokenizer, config
         self.parse = load_parser(config.parser)
-        loaded = [load_tool(key)[0] for key in config.tools]
+        loaded = load_tools(config)
         self.tools = {tool.name: tool for tool in loaded}
         if len(self.tools) != len(loaded):
             raise ValueError(f"generation.agent.tools={list(config.tools)} name one tool twice")
@@ -267,7 +297,7 @@ class AgentLoop(Draws[_Conversation]):
                                                           f"{sorted(self.tools)}"))
                 continue
             arguments = {**call.arguments, **record_kwargs(extra, call.name)}
-            job = self._submit_job(driver, c, (tool.key, ("tool", arguments)))
+            job = self._submit_job(driver, c, (tool.key, ("tool", (arguments, self.config.code_sandbox))))
             c.waiting[job] = (len(c.answers), "tool")
             c.answers.append(_tool_message(call.name, ""))  # its text when the result comes
 

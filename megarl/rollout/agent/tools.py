@@ -7,22 +7,25 @@ schema is the function's `schema` attribute (an OpenAI function schema:
 float and bool parameters; those without a default required) and the first line of its docstring.
 Tools run in worker processes (tool_worker.py) with a timeout; their failures become tool messages
 (rollout/agent/loop.py).
+
+A tool that runs code the model wrote declares it (`fn.runs_code = True`, as the built-in `python`
+does) and takes a `sandbox` keyword (left out of its schema): the run's CodeSandbox, whose
+`run(code)` runs a Python program in the local sandbox (sandbox.py) or on a SandboxFusion server
+(sandbox_http.py), as `generation.agent.sandbox` says, and returns a Ran (its `text(limits)` is
+what the built-in answers). The model cannot set that argument.
 """
 
 import ast
 import inspect
 import json
 import operator
-import os
-import resource
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple
 
 from megarl.plugins.loading import load_callable
 from megarl.plugins.worker_pool import Loaded
+from megarl.rollout.agent.sandbox import LIMITS, Limits, Ran, check_local, run_local
+from megarl.rollout.agent.sandbox_http import run_http
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
@@ -63,27 +66,39 @@ calculator.schema = {
         "expression": {"type": "string", "description": "e.g. (12 + 7) * 3"}}},
 }
 
-SANDBOX_LIMITS = {"cpu_s": 10, "memory_bytes": 1 << 30, "file_bytes": 16 << 20, "output_bytes": 1 << 20}
+SANDBOXES = ("local", "http")
 
 
-def _limit():
-    resource.setrlimit(resource.RLIMIT_CPU, (SANDBOX_LIMITS["cpu_s"],) * 2)
-    resource.setrlimit(resource.RLIMIT_AS, (SANDBOX_LIMITS["memory_bytes"],) * 2)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (SANDBOX_LIMITS["file_bytes"],) * 2)
+@dataclass(frozen=True)
+class CodeSandbox:
+    """Where tools that run code run it (generation.agent.sandbox): `local`, bubblewrap on the
+    machine of the tool's worker (sandbox.py), or `http`, a SandboxFusion run_code endpoint
+    (sandbox_http.py), each request within `timeout_s` and retried `retries` times."""
+    kind: str = "local"
+    url: str = ""
+    timeout_s: float = 30.0
+    retries: int = 1
+    limits: Limits = LIMITS
+
+    def run(self, code: str) -> Ran:
+        if self.kind == "http":
+            return run_http(code, self.url, self.timeout_s, self.retries, self.limits)
+        return run_local(code, self.limits)
+
+    def check(self) -> None:
+        """Refuse (RuntimeError naming what is missing and the fix) a machine where the local
+        sandbox cannot work; the remote one is checked by its first call."""
+        if self.kind == "local":
+            check_local()
 
 
-def python(code: str) -> str:
-    """Run Python code in a sandbox (no network, limited CPU, memory and files) and return what it
-    printed."""
-    # unshare -rn: a network namespace of its own (nothing but a down loopback), as an unprivileged
-    # user may make one; -I: no user site, no PYTHON* environment; a fresh temporary directory.
-    with tempfile.TemporaryDirectory() as workdir:
-        proc = subprocess.run(["unshare", "-rn", sys.executable, "-I", "-c", code], cwd=workdir,
-                              env={"PATH": os.defpath, "HOME": workdir}, stdin=subprocess.DEVNULL,
-                              capture_output=True, preexec_fn=_limit, timeout=SANDBOX_LIMITS["cpu_s"] * 3)
-    limit = SANDBOX_LIMITS["output_bytes"]
-    out = (proc.stdout[:limit] + proc.stderr[:limit]).decode(errors="replace")
-    return out if proc.returncode == 0 else f"{out}\n(exit code {proc.returncode})"
+LOCAL = CodeSandbox()
+
+
+def python(code: str, sandbox: CodeSandbox = LOCAL) -> str:
+    """Run Python code in a sandbox (the standard library only; no network, no files but its own
+    temporary folder; limited processes, CPU, memory and disk) and return what it printed."""
+    return sandbox.run(code).text(sandbox.limits)
 
 
 python.schema = {
@@ -91,6 +106,7 @@ python.schema = {
     "parameters": {"type": "object", "required": ["code"], "properties": {
         "code": {"type": "string", "description": "a Python program; print the result"}}},
 }
+python.runs_code = True
 
 BUILTIN: Dict[str, Callable] = {"calculator": calculator, "python": python}
 
@@ -105,6 +121,8 @@ def schema_of(name: str, fn: Callable) -> Dict[str, Any]:
         return given
     properties, required = {}, []
     for parameter in inspect.signature(fn).parameters.values():
+        if parameter.name == "sandbox" and runs_code(fn):
+            continue  # the run's, never the model's
         kind = _JSON_TYPES.get(parameter.annotation)
         if kind is None or parameter.kind not in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
             raise ValueError(f"tool {name!r}: parameter {parameter.name!r} is not a str, int, float or "
@@ -117,10 +135,16 @@ def schema_of(name: str, fn: Callable) -> Dict[str, Any]:
             "parameters": {"type": "object", "properties": properties, "required": required}}
 
 
+def runs_code(fn: Callable) -> bool:
+    """Whether the tool runs code the model wrote (and so takes the run's sandbox)."""
+    return getattr(fn, "runs_code", False) is True
+
+
 @dataclass(frozen=True)
 class Tool:
     key: str  # as configured: a built-in name or module:function
     schema: Dict[str, Any]
+    runs_code: bool = False
 
     @property
     def name(self) -> str:
@@ -130,18 +154,7 @@ class Tool:
 
 def load_tool(key: str) -> Tuple[Tool, Callable]:
     fn = load_callable(key, BUILTIN, "tool")
-    if fn is python:
-        check_sandbox()
-    return Tool(key, schema_of(key, fn)), fn
-
-
-def check_sandbox() -> None:
-    probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True)
-    if probe.returncode:
-        raise RuntimeError("the python tool's sandbox needs `unshare -rn` (a network namespace of its "
-                           f"own) and this machine refuses it: {probe.stderr.decode().strip()}; enable "
-                           "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1) "
-                           "or drop the python tool")
+    return Tool(key, schema_of(key, fn), runs_code(fn)), fn
 
 
 def as_text(value: Any) -> str:
@@ -149,10 +162,14 @@ def as_text(value: Any) -> str:
 
 
 def _apply(function: Callable, payload: Tuple[str, Any]) -> Any:
-    """("tool", arguments) -> the tool's text; ("interaction", (messages, kwargs)) -> what the
+    """("tool", (arguments, CodeSandbox)) -> the tool's text, the sandbox handed to a tool that
+    runs code (over any the model gave); ("interaction", (messages, kwargs)) -> what the
     interaction returned."""
     kind, arguments = payload
     if kind == "tool":
+        arguments, sandbox = arguments
+        if runs_code(function):
+            arguments = {**arguments, "sandbox": sandbox}
         return as_text(function(**arguments))
     messages, kwargs = arguments
     return function(messages, **kwargs)
