@@ -2,7 +2,7 @@
 on waiting (a slow environment) and on work (CPU-bound code in the python sandbox tool).
 
   python bench/bench_agent.py [--quick] [--conversations N] [--python-conversations M] [--python-turns T]
-                              [--inputs DIR]
+                              [--inputs DIR] [--sandbox-calls K] [--sandbox-only]
 
 Both cases run on the demo model (prepare_demo.py --hf-only; --inputs: a folder it made already) in
 one vLLM engine, with a pool of one worker process per conversation, so every environment step or
@@ -19,6 +19,11 @@ Cases, one JSON object each:
             uneven by conversation (bench/python_workload.py). This is CPU work: both modes are
             bounded below by the tools' core-seconds over the cores, so in flight can save only
             the cores' idle time at each wave's end and the generation it overlaps with tools.
+  sandbox_call  K calls (30) of the python tool on `print(1)`, one at a time, each a fresh
+            interpreter: the sandbox (bubblewrap: sandbox.py) against the tool as it was before
+            issue 54 (`unshare -rn` and rlimits in a temporary folder, `reference_call` here),
+            interleaved so that both see the same load. Target: the median sandboxed call at most
+            50 ms slower. --sandbox-only runs this case alone (no vLLM, a few seconds).
 Both modes end with the same turns per conversation, and every tool output is the code's (checked).
 """
 
@@ -26,6 +31,8 @@ import argparse
 import json
 import os
 import random
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +47,7 @@ from slow_env import QUICK_S, SLOW_S  # noqa: E402
 
 from megarl.rollout.agent.chat_insert import first_prompt_ids, inserted_ids  # noqa: E402
 from megarl.rollout.agent.loop import AgentConfig, AgentLoop  # noqa: E402
+from megarl.rollout.agent.tools import LOCAL  # noqa: E402
 from megarl.rollout.agent.tools import python as python_tool  # noqa: E402
 from megarl.rollout.engine import SamplingConfig  # noqa: E402
 from megarl.rollout.producer import produce  # noqa: E402
@@ -48,6 +56,7 @@ from megarl.rollout.turns import TurnDriver  # noqa: E402
 
 ENV = "slow_env:step"
 TARGET_SPEEDUP = 2.0
+SANDBOX_TARGET_S = 0.050  # a sandboxed call's cost over the tool before the sandbox
 SAMPLING = SamplingConfig(n=1, temperature=1.0, max_new_tokens=64, seed=0)
 # The python case's budget: T short answers plus T - 1 inserted tool outputs of a few tokens each,
 # so that no conversation ends on its budget before its last turn.
@@ -160,10 +169,10 @@ def python_case(engine, tokenizer, prompts, turns: int, seed: int) -> dict:
     config = AgentConfig(tools=("python",), parser="python_workload:every_turn_calls_python", max_turns=turns,
                          tool_workers=len(prompts), tool_timeout_s=60)
     loop = AgentLoop(tokenizer, config)
-    _pool_values(loop.pool(), [("python", ("tool", {"code": "pass"}))] * len(prompts))  # every worker up
+    _pool_values(loop.pool(), [("python", ("tool", ({"code": "pass"}, LOCAL)))] * len(prompts))  # workers up
 
     def answer(live, messages):
-        outputs = _pool_values(loop.pool(), [("python", ("tool", {"code": codes[i]})) for i in live])
+        outputs = _pool_values(loop.pool(), [("python", ("tool", ({"code": codes[i]}, LOCAL))) for i in live])
         return [{"role": "tool", "name": "python", "content": out} for out in outputs]
 
     start = time.monotonic()
@@ -197,6 +206,46 @@ def python_case(engine, tokenizer, prompts, turns: int, seed: int) -> dict:
         "speedup": round(lockstep_s / in_flight_s, 2)}
 
 
+def _reference_limits():
+    resource.setrlimit(resource.RLIMIT_CPU, (10, 10))
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
+
+
+def reference_call(code: str) -> str:
+    """The python tool before issue 54 (at 22f0b7a): a network namespace of its own and rlimits,
+    in a temporary folder, nothing else isolated."""
+    with tempfile.TemporaryDirectory() as workdir:
+        proc = subprocess.run(["unshare", "-rn", sys.executable, "-I", "-c", code], cwd=workdir,
+                              env={"PATH": os.defpath, "HOME": workdir}, stdin=subprocess.DEVNULL,
+                              capture_output=True, preexec_fn=_reference_limits, timeout=30)
+    return (proc.stdout + proc.stderr).decode(errors="replace")
+
+
+def sandbox_case(calls: int) -> dict:
+    """Seconds per call of each tool, on `print(1)`: a call's cost is its interpreter's start and
+    its isolation, nothing else."""
+    seconds = {"sandboxed": [], "before": []}
+    tools = {"sandboxed": python_tool, "before": reference_call}
+    for name, tool in tools.items():  # warm: the sandbox finds the interpreter's files once
+        if tool("print(1)") != "1\n":
+            raise RuntimeError(f"the {name} tool printed {tool('print(1)')!r}, not '1\\n'")
+    for _ in range(calls):
+        for name, tool in tools.items():
+            start = time.perf_counter()
+            tool("print(1)")
+            seconds[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(s) for name, s in seconds.items()}
+    extra = median["sandboxed"] - median["before"]
+    return {"case": "sandbox_call", "calls": calls,
+            "sandboxed_median_ms": round(median["sandboxed"] * 1e3, 1),
+            "before_median_ms": round(median["before"] * 1e3, 1),
+            "sandboxed_p90_ms": round(statistics.quantiles(seconds["sandboxed"], n=10)[-1] * 1e3, 1),
+            "before_p90_ms": round(statistics.quantiles(seconds["before"], n=10)[-1] * 1e3, 1),
+            "extra_ms": round(extra * 1e3, 1), "target_extra_ms": SANDBOX_TARGET_S * 1e3,
+            "passed": extra <= SANDBOX_TARGET_S}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="(the same workload: it takes ~2 min)")
@@ -204,10 +253,15 @@ def main():
     parser.add_argument("--python-conversations", type=int, default=32)
     parser.add_argument("--python-turns", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sandbox-calls", type=int, default=30, help="the sandbox_call case's")
+    parser.add_argument("--sandbox-only", action="store_true", help="run the sandbox_call case alone")
     parser.add_argument("--inputs", help="prepare_demo.py's --out folder to use, with at least as many "
                                          "prompts as conversations (default: made in a temporary folder)")
     args = parser.parse_args()
     out = json_stdout()
+    out.write(json.dumps(sandbox_case(args.sandbox_calls)) + "\n")
+    if args.sandbox_only:
+        return
     import transformers
 
     from megarl.rollout.vllm.engine import VLLMEngine
