@@ -25,7 +25,7 @@ from megarl.rollout.agent.tools import LOCAL, _apply, loaded_tools, python, sche
 
 # Small limits keep the bombs to seconds: each is asked for twice what its limit allows.
 LIMITS = Limits(cpu_s=1, wall_s=6, memory_bytes=256 << 20, file_bytes=4 << 20, disk_bytes=8 << 20,
-                processes=16, open_files=64)
+                threads=16, open_files=64)
 MARK = f"megarl-redteam-{uuid.uuid4().hex[:12]}"  # in every program: a process left over shows it
 SECRET = f"secret-{uuid.uuid4().hex}"
 ESCAPED = "ESCAPED"  # what a program prints when its attempt worked, as it sees it
@@ -229,18 +229,41 @@ ATTEMPTS = {
                   f"socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'{MARK}', ({h.lan_ip!r}, "
                   f"{h.udp.getsockname()[1]}))",
         lambda h, out: h.received_udp() == MARK.encode(), lambda ran: "Network is unreachable" in ran.stderr),
-    # Twice the process limit, each child alive for a second: a fork bomb's reach, bounded here.
+    # 32 children, each alive for a second: a fork bomb's reach, bounded here. Inside, none is born.
     "fork_bomb": Attempt(
         lambda h: "import os, time\nborn = 0\n"
-                  f"for _ in range({2 * LIMITS.processes}):\n"
+                  "for _ in range(32):\n"
                   "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
                   "    if pid == 0:\n        time.sleep(1)\n        os._exit(0)\n    born += 1\n"
-                  f"print({ESCAPED!r} if born == {2 * LIMITS.processes} else born)\n"
+                  f"print({ESCAPED!r} if born == 32 else born)\n"
                   "while True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        break",
-        stopped=lambda ran: 0 < int(ran.stdout) < LIMITS.processes),
+        stopped=lambda ran: ran.stdout == "0\n"),
+    # Twice the thread limit, each alive for a second.
+    "thread_bomb": Attempt(
+        lambda h: "import threading, time\nstarted = []\n"
+                  f"for _ in range({2 * LIMITS.threads}):\n"
+                  "    try:\n        started.append(threading.Thread(target=time.sleep, args=(1,)))\n"
+                  "        started[-1].start()\n"
+                  "    except RuntimeError:\n        started.pop()\n        break\n"
+                  f"print({ESCAPED!r} if len(started) == {2 * LIMITS.threads} else len(started))",
+        stopped=lambda ran: 0 < int(ran.stdout) < LIMITS.threads),
     "memory_bomb": Attempt(
         lambda h: f"block = bytearray({2 * LIMITS.memory_bytes})\nprint({ESCAPED!r}, len(block))",
         stopped=lambda ran: "MemoryError" in ran.stderr),
+    # Four processes of three quarters of the memory limit each: a memory bomb past a per-process
+    # limit. Inside, no child is born to hold its share.
+    "memory_bomb_in_many_processes": Attempt(
+        lambda h: "import os, time\nheld = 0\n"
+                  "for _ in range(4):\n"
+                  "    read, write = os.pipe()\n"
+                  "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+                  "    if pid == 0:\n"
+                  f"        block = bytearray({3 * LIMITS.memory_bytes // 4})\n"
+                  "        os.write(write, b'x')\n        time.sleep(1)\n        os._exit(0)\n"
+                  "    held += len(os.read(read, 1))\n"
+                  f"print({ESCAPED!r} if held == 4 else held)\n"
+                  "while True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        break",
+        stopped=lambda ran: ran.stdout == "0\n"),
     "disk_fill": Attempt(  # many files, each under the file size limit: the folder's quota stops it
         lambda h: f"for i in range({2 * LIMITS.disk_bytes >> 20}):\n"
                   "    open(f'fill{i}', 'wb').write(bytes(1 << 20))\n"
@@ -285,12 +308,14 @@ def test_each_attempt_fails_inside_and_succeeds_outside(name, host, monkeypatch)
 
 
 def test_an_unbounded_fork_bomb_ends_with_the_call():
-    """Every process spinning on fork: the call ends at its wall clock, and all of them with it."""
+    """A program spinning on fork (never to be run outside a sandbox): it gets no child and ends at
+    its CPU limit, or the call's wall clock on a busy machine, with the call."""
     start = time.monotonic()
+    limits = Limits(cpu_s=1, wall_s=4)
     bomb = inside("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-                  Limits(cpu_s=2, wall_s=2, processes=16))
-    assert bomb.exit_code is None and time.monotonic() - start < 10, bomb
-    assert "stopped at the wall-clock limit of 2 s" in bomb.text(Limits(wall_s=2))
+                  limits)
+    assert bomb.exit_code in (None, 128 + signal.SIGXCPU) and time.monotonic() - start < 10, bomb
+    assert "past the CPU limit" in bomb.text(limits) or "stopped at the wall-clock limit" in bomb.text(limits)
     assert subprocess.run(["true"]).returncode == 0  # the host still starts processes
 
 

@@ -7,9 +7,11 @@ starts):
   read-only, at their own paths; a private /tmp of `disk_bytes` (a tmpfs: its working folder and
   HOME) that is gone with the call; the rest of the tree is an empty read-only root. No run
   folder, data, checkpoints, home, /etc, site-packages (`python -I -S`: the standard library only);
-- processes: a PID namespace of its own (it sees and can signal its own processes only, /proc is
-  theirs) and at most `processes` processes and threads (RLIMIT_NPROC, counted in its own user
-  namespace: a fork bomb stops there);
+- processes: one, with up to `threads` threads (RLIMIT_NPROC, counted in its own user namespace),
+  in a PID namespace of its own (it sees and can signal its own threads only; /proc is its own).
+  A seccomp filter fails fork, vfork and clone without CLONE_THREAD (EAGAIN): a fork bomb gets no
+  child, and the memory limit, per process, is the call's (without cgroups nothing bounds the sum
+  over processes). There is nothing but Python to run anyway;
 - no network (a network namespace with its own loopback only), no IPC or hostname of the host;
 - limits per process on CPU seconds, address space, file size and open files; the call's wall
   clock (`wall_s`), after which everything in it is killed;
@@ -21,7 +23,8 @@ Nothing outlives the call: bwrap dies with its caller (--die-with-parent), its P
 with its first process, and the call kills bwrap's process group when it returns.
 
 The limits are set by the sandbox's first Python lines (`_launcher`), inside the sandbox's own
-user namespace, before the program's code runs: hard limits it cannot raise. A machine where bwrap
+user namespace, before the program's code runs: hard limits it cannot raise; the seccomp filter
+(`no_new_processes`) by bwrap, last before the interpreter starts. A machine where bwrap
 is missing or cannot make namespaces is refused by `check_local` (naming what is missing and the
 fix), never run with less isolation. Does not own which tools run code (tools.py) or the remote
 sandbox (sandbox_http.py).
@@ -30,10 +33,12 @@ sandbox (sandbox_http.py).
 import ctypes
 import functools
 import os
+import platform
 import selectors
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -54,7 +59,7 @@ class Limits:
     memory_bytes: int = 1 << 30  # address space per process (RLIMIT_AS: MemoryError)
     file_bytes: int = 16 << 20  # one file's size (RLIMIT_FSIZE: SIGXFSZ or EFBIG)
     disk_bytes: int = 64 << 20  # all files together: the private /tmp's size (ENOSPC)
-    processes: int = 32  # processes and threads at once (RLIMIT_NPROC: fork fails, EAGAIN)
+    threads: int = 32  # threads at once, the main one too (RLIMIT_NPROC: EAGAIN); no other process
     open_files: int = 64  # RLIMIT_NOFILE
     output_bytes: int = 1 << 20  # kept of stdout and of stderr each; the rest is read and dropped
 
@@ -95,7 +100,7 @@ def _launcher(limits: Limits) -> str:
     rlimits = [("RLIMIT_CPU", limits.cpu_s, limits.cpu_s + 1),
                *((name, value, value) for name, value in (
                    ("RLIMIT_AS", limits.memory_bytes), ("RLIMIT_FSIZE", limits.file_bytes),
-                   ("RLIMIT_NPROC", limits.processes), ("RLIMIT_NOFILE", limits.open_files),
+                   ("RLIMIT_NPROC", limits.threads), ("RLIMIT_NOFILE", limits.open_files),
                    ("RLIMIT_CORE", 0)))]
     return (
         "def _run():\n"
@@ -170,6 +175,43 @@ def _view() -> _View:
     return _View(interpreter, tuple(args), tuple(staged))
 
 
+# seccomp's classic BPF (linux/filter.h, linux/seccomp.h): a program over struct seccomp_data
+# {int nr; u32 arch; u64 ip; u64 args[6]}
+_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
+_CLONE_THREAD = 0x00010000
+# machine -> (its AUDIT_ARCH, syscalls that make a process, clone, clone3, the first of another ABI)
+_ARCHES = {"x86_64": (0xC000003E, (57, 58), 56, 435, 0x40000000),  # fork, vfork; x32 above
+           "aarch64": (0xC00000B7, (), 220, 435, None)}
+
+
+@functools.lru_cache(maxsize=None)
+def no_new_processes() -> bytes:
+    """The seccomp filter the program runs under: fork, vfork and clone without CLONE_THREAD fail
+    with EAGAIN (as at a process limit of one), clone3 with ENOSYS (so that the C library makes its
+    threads with clone), and every syscall of another ABI (i386 or x32 on x86_64) with ENOSYS."""
+    machine = platform.machine()
+    if machine not in _ARCHES:
+        raise RuntimeError(f"the local code sandbox knows the syscalls of {sorted(_ARCHES)}, not "
+                           f"{machine!r}; use generation.agent.sandbox=http")
+    arch, forks, clone, clone3, other_abi = _ARCHES[machine]
+    deny, enosys = _ERRNO | 11, _ERRNO | 38  # EAGAIN, ENOSYS
+    # (code, k, the label when true, the label when false): jumps resolved below
+    program = [(_LD_ABS, 4, None, None), (_JEQ, arch, None, "enosys"), (_LD_ABS, 0, None, None)]
+    if other_abi is not None:
+        program.append((_JGE, other_abi, "enosys", None))
+    program += [(_JEQ, nr, "deny", None) for nr in forks]
+    program += [(_JEQ, clone3, "enosys", None), (_JEQ, clone, None, "allow"),
+                (_LD_ABS, 16, None, None), (_JSET, _CLONE_THREAD, "allow", "deny")]
+    labels = {"allow": len(program), "deny": len(program) + 1, "enosys": len(program) + 2}
+    program += [(_RET, _ALLOW, None, None), (_RET, deny, None, None), (_RET, enosys, None, None)]
+    code = b""
+    for at, (op, k, true, false) in enumerate(program):
+        jump = [0 if label is None else labels[label] - at - 1 for label in (true, false)]
+        code += struct.pack("=HBBI", op, *jump, k)
+    return code
+
+
 def _bwrap_args(limits: Limits) -> Tuple[str, ...]:
     return (
         "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -225,11 +267,18 @@ def run_local(code: str, limits: Limits = LIMITS) -> Ran:
     if "\0" in code:
         raise ValueError("the code holds a NUL character, which no program text can")
     view = _view()
-    argv = [BWRAP, *_bwrap_args(limits), "--", view.interpreter, "-I", "-S", "-c", _launcher(limits), code]
+    seccomp, feed = os.pipe()  # the filter is 8 bytes an instruction: far under a pipe's buffer
+    os.write(feed, no_new_processes())
+    os.close(feed)
+    argv = [BWRAP, *_bwrap_args(limits), "--seccomp", str(seccomp), "--", view.interpreter, "-I", "-S", "-c",
+            _launcher(limits), code]
     root = os.geteuid() == 0
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True,
-                            preexec_fn=functools.partial(_as_nobody, view.staged) if root else None)
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, pass_fds=(seccomp,),
+                                preexec_fn=functools.partial(_as_nobody, view.staged) if root else None)
+    finally:
+        os.close(seccomp)
     try:
         stdout, stderr, cut, finished = _collect(proc, limits)
     finally:
