@@ -142,7 +142,7 @@ def _python_paths() -> Tuple[str, Tuple[str, ...]]:
 
 
 def _blocker(path: str) -> Optional[str]:
-    """The topmost folder above `path` that others may not enter (None: nobody can reach it)."""
+    """The topmost folder above `path` that others may not enter (None: every one lets them)."""
     parts = path.split(os.sep)
     for end in range(2, len(parts)):
         folder = os.sep.join(parts[:end])

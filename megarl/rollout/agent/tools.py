@@ -97,12 +97,14 @@ LOCAL = CodeSandbox()
 
 def python(code: str, sandbox: CodeSandbox = LOCAL) -> str:
     """Run Python code in a sandbox (the standard library only; no network, no files but its own
-    temporary folder; limited processes, CPU, memory and disk) and return what it printed."""
+    temporary folder, no other process; limited threads, CPU, memory and disk) and return what it
+    printed."""
     return sandbox.run(code).text(sandbox.limits)
 
 
 python.schema = {
-    "name": "python", "description": "Run Python code in a sandbox and return what it printed.",
+    "name": "python", "description": "Run Python code (the standard library only) in a sandbox and return "
+                                      "what it printed.",
     "parameters": {"type": "object", "required": ["code"], "properties": {
         "code": {"type": "string", "description": "a Python program; print the result"}}},
 }
