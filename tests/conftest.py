@@ -65,8 +65,11 @@ TIERS = {
         "test_the_adapters_change_the_model", "test_config_refuses_bad_values_by_name",
         "test_a_kind_the_family_lacks_is_refused_naming_its_kinds",
         "test_expert_slices_follow_peft_s_own_delta", "test_transformers_4_expert_adapters_are_refused",
-        "test_run_adapter_sizes_are_the_files", "test_part_of_a_fused_linear_is_refused_naming_the_rest",
-        "test_actor_lora_init_resolves_to_the_folders_adapters")}}),
+        "test_run_adapter_sizes_are_the_files", "test_actor_lora_init_resolves_to_the_folders_adapters",
+        "test_some_projections_of_a_fused_linear_read_as_those_alone",
+        "test_actor_lora_targets_take_hf_projection_names",
+        "test_peft_s_unsupported_features_are_refused_naming_the_field",
+        "test_megarl_s_names_select_the_adapted_projections_in_peft")}}),
     # the export's receives on the links' device; one live export at PP2 on two gloo ranks
     "test_hf_export": (UNIT, {"test_a_live_export_with_direct_slabs_receives_only_on_the_links_device":
                               DISTRIBUTED}),

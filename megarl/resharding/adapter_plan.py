@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, Hashable, List, Sequence, Tuple
 
 from megarl.models.hf.config import DTYPES, ModelArch
-from megarl.models.lora.adapters import KINDS, LoraConfig, chosen_kinds, full_shapes, kind_of, split_dim
+from megarl.models.lora.adapters import KINDS, LoraConfig, chosen_parts, full_shapes, kind_of, split_dim
 from megarl.models.weights.tables import entry_for
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.cluster_plan import round_phases
@@ -49,7 +49,8 @@ def layout_shards(arch: ModelArch, dims: ParallelDims,
                   config: LoraConfig) -> Dict[int, List[Tuple[tuple, int]]]:
     """{rank: [(shard, bytes)]} of the adapters `config` puts on `arch` at `dims`, as lora.attach
     makes them (adapters in the base's dtype); a shard is (weight, HF part, A or B, TP piece)."""
-    kinds = chosen_kinds(arch, config)
+    parts = chosen_parts(arch, config)
+    kinds = {kind: KINDS[kind] for kind in parts}
     itemsize = DTYPES[arch.dtype].itemsize
     held: Dict[int, List[Tuple[tuple, int]]] = {rank: [] for rank in range(dims.world_size)}
     for piece in layout_pieces(arch, dims):
@@ -57,11 +58,13 @@ def layout_shards(arch: ModelArch, dims: ParallelDims,
         if kind is None:
             continue
         entry = entry_for(arch, piece.canonical)
-        parts = [KINDS[kind].expert] if KINDS[kind].expert else [hf.rsplit(".", 2)[-2] for hf in entry.hf]
+        fused = [KINDS[kind].expert] if KINDS[kind].expert else [hf.rsplit(".", 2)[-2] for hf in entry.hf]
         transform = "copy" if KINDS[kind].expert else entry.transform
-        rank_r = config.rank_of(kind)
-        shapes = full_shapes(KINDS[kind].style, transform, arch, len(parts), piece.shape, piece.tp_size)
-        for part, (out_full, in_full) in zip(parts, shapes):
+        shapes = full_shapes(KINDS[kind].style, transform, arch, len(fused), piece.shape, piece.tp_size)
+        for part, (out_full, in_full) in zip(fused, shapes):
+            if part not in parts[kind]:  # a projection without an adapter holds nothing
+                continue
+            rank_r = config.rank_of(kind, part)
             for which, shape in (("A", [rank_r, in_full]), ("B", [out_full, rank_r])):
                 dim = split_dim(KINDS[kind].style, which, piece.tp_size)
                 if dim is not None:

@@ -1,9 +1,11 @@
 """LoRA adapters on megarl's Megatron models: y = base(x) + scaling * B(A(dropout(x))).
 
-Targets are module kinds (KINDS), not per-family names: each kind is a Megatron linear with a
-parallel style, and each HF projection it fuses (q, k, v in linear_qkv; gate and up in
-linear_fc1) gets an adapter of its own, as PEFT gives each HF projection one. Adapters respect
-the layout:
+Targets are module kinds (KINDS: each a Megatron linear with a parallel style), HF projection names
+(q_proj, up_proj: as PEFT's target_modules) or one projection of one kind (KIND.PROJECTION). Each
+HF projection a linear fuses (q, k, v in linear_qkv; gate and up in linear_fc1) has an adapter of
+its own, as in PEFT, with its own rank and alpha, or none: a projection without one has no
+parameters, and its rows of the fused output get no LoRA term (zeros). Adapters respect the
+layout:
 - column-parallel base (output split over TP): A [r, in] whole on every TP rank, B [out/tp, r]
   cut as the base's rows. The r-wide activation is gathered (sequence parallel: along the
   sequence, its gradient reduce-scattered) so each rank's B sees every token.
@@ -21,12 +23,13 @@ Initialization is PEFT's (A Kaiming-uniform, B zero), drawn per adapter from a g
 its HF name, on the whole tensor before the cut: every layout starts from the same adapters.
 """
 
+import functools
 import math
 import os
 import re
 import zlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core import tensor_parallel
@@ -40,7 +43,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megarl.models.hf.config import ModelArch
 from megarl.models.megatron.param_layout import canonical_name
 from megarl.models.weights import transforms as wt
-from megarl.models.weights.tables import entry_for, rows
+from megarl.models.weights.tables import TABLES, entry_for, rows
 from megarl.parallel_state import megatron_groups
 
 
@@ -78,11 +81,15 @@ class LoraConfig:
     rank: int = 0  # 0: no adapters (full fine-tuning)
     alpha: float = 16.0
     dropout: float = 0.0
+    # "all", module kinds (every projection of the kind's linear), HF projection names (that
+    # projection of every linear but the routed experts that has it, as PEFT's target_modules:
+    # up_proj adapts the MLP's and the shared experts'), or KIND.PROJECTION (shared_expert_fc1.up_proj)
     targets: Tuple[str, ...] = (ALL,)
     rslora: bool = False  # scaling alpha / sqrt(rank) instead of alpha / rank (PEFT's use_rslora)
-    # {kind: rank}, {kind: alpha} where a kind's adapters differ from rank and alpha (PEFT's
-    # rank_pattern and alpha_pattern; PEFT itself gives the fused experts' gate_up 2 * rank and
-    # 2 * alpha when gate_proj and up_proj are its targets)
+    # {key: rank}, {key: alpha} where adapters differ from rank and alpha (PEFT's rank_pattern and
+    # alpha_pattern; PEFT itself gives the fused experts' gate_up 2 * rank and 2 * alpha when
+    # gate_proj and up_proj are its targets). A key is named as in targets; the most specific
+    # wins: KIND.PROJECTION, then the projection's name, then the kind
     kind_ranks: Dict[str, int] = field(default_factory=dict)
     kind_alphas: Dict[str, float] = field(default_factory=dict)
     # a PEFT folder (adapter_config.json, adapter_model.safetensors) the adapters start from: its
@@ -98,52 +105,77 @@ class LoraConfig:
             raise ValueError(f"lora.rank={self.rank} must be >= 0 (0: no adapters)")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1)")
-        unknown = [t for t in self.targets if t != ALL and t not in KINDS]
+        unknown = [t for t in self.targets if t != ALL and not _known_target(t)]
         if unknown or not self.targets:
             raise ValueError(f"lora.targets={list(self.targets)}: {unknown or 'empty'}; choose "
-                             f"'{ALL}' or module kinds from {sorted(KINDS)}")
+                             f"'{ALL}', module kinds from {sorted(KINDS)}, HF projections from "
+                             f"{sorted(_projection_names())} or KIND.PROJECTION")
+        for field_name, table in (("kind_ranks", self.kind_ranks), ("kind_alphas", self.kind_alphas)):
+            unknown = [key for key in table if not _known_target(key)]
+            if unknown:
+                raise ValueError(f"lora.{field_name}: {unknown} name no module kind, HF projection or "
+                                 "KIND.PROJECTION (as lora.targets)")
+        bad = {key: r for key, r in self.kind_ranks.items() if not (isinstance(r, int) and r > 0)}
+        if bad:
+            raise ValueError(f"lora.kind_ranks={bad}: a rank must be an integer >= 1")
 
-    def rank_of(self, kind: str) -> int:
-        return self.kind_ranks.get(kind, self.rank)
+    def _lookup(self, table: Dict[str, float], kind: str, projection: Optional[str]):
+        """The most specific key's value: KIND.PROJECTION, the projection's name (not for routed
+        experts, which PEFT's target_modules do not name), the kind; None without one."""
+        keys = ([f"{kind}.{projection}"] if projection else []) + (
+            [projection] if projection and not KINDS[kind].expert else []) + [kind]
+        return next((table[key] for key in keys if key in table), None)
 
-    def scaling_of(self, kind: str) -> float:
-        rank = self.rank_of(kind)
-        return self.kind_alphas.get(kind, self.alpha) / (math.sqrt(rank) if self.rslora else rank)
+    def rank_of(self, kind: str, projection: Optional[str] = None) -> int:
+        found = self._lookup(self.kind_ranks, kind, projection)
+        return self.rank if found is None else found
+
+    def alpha_of(self, kind: str, projection: Optional[str] = None) -> float:
+        found = self._lookup(self.kind_alphas, kind, projection)
+        return self.alpha if found is None else found
+
+    def scaling_of(self, kind: str, projection: Optional[str] = None) -> float:
+        rank = self.rank_of(kind, projection)
+        return self.alpha_of(kind, projection) / (math.sqrt(rank) if self.rslora else rank)
 
 
 class LoraAdapter(torch.nn.Module):
-    """The adapters of one Megatron linear: one (A, B) per HF projection it fuses, in
-    ParameterDicts keyed by that projection's name (q_proj, gate_proj, ...; `hf_names` gives each
-    one's HF module). A routed expert's adapter stands for its slice of PEFT's adapter on the
-    layer's fused expert parameter (`expert`: (global expert id, that parameter's nesting depth
-    among the layer's adapted expert parameters), see models/lora/peft_io.py)."""
+    """The adapters of one Megatron linear: one (A, B) per adapted HF projection it fuses (`parts`,
+    some or all of `projections`: {short name: HF module} in the linear's row order), in
+    ParameterDicts keyed by the short name (q_proj, gate_proj, ...; `hf_names` gives each adapted
+    one's HF module), each with its own rank and scaling. A routed expert's adapter stands for its
+    slice of PEFT's adapter on the layer's fused expert parameter (`expert`: (global expert id, that
+    parameter's nesting depth among the layer's adapted expert parameters), see
+    models/lora/peft_io.py)."""
 
-    def __init__(self, config: LoraConfig, kind_name: str, base: torch.nn.Module, hf_names: Dict[str, str],
-                 transform: str, arch: ModelArch, sequence_parallel: bool,
+    def __init__(self, config: LoraConfig, kind_name: str, base: torch.nn.Module, projections: Dict[str, str],
+                 parts: Sequence[str], transform: str, arch: ModelArch, sequence_parallel: bool,
                  expert: Optional[Tuple[int, int]] = None):
         super().__init__()
         kind = KINDS[kind_name]
         self.expert = expert
         self.style, self.transform, self.arch = kind.style, transform, arch
-        self.scaling, self.rank = config.scaling_of(kind_name), config.rank_of(kind_name)
+        self.projections = tuple(projections)
+        self.hf_names = {short: projections[short] for short in self.projections if short in parts}
+        self.ranks = {short: config.rank_of(kind_name, short) for short in self.hf_names}
+        self.scalings = {short: config.scaling_of(kind_name, short) for short in self.hf_names}
         self.dropout = torch.nn.Dropout(config.dropout) if config.dropout else torch.nn.Identity()
         group = megatron_groups.expert_tensor() if kind.expert else megatron_groups.tensor()
         self.tp_rank, self.tp_size = group.rank, group.size
         self.sequence_parallel = sequence_parallel and not kind.expert and self.tp_size > 1
-        self.hf_names = hf_names
         self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
-        for (short, hf), (out_full, in_full) in zip(hf_names.items(), self._full_shapes(base)):
-            a, b = _peft_init(f"{hf}.{short}.{expert}", self.rank, out_full, in_full, base.weight.is_meta)
+        shapes = dict(zip(self.projections, full_shapes(self.style, transform, arch, len(self.projections),
+                                                         tuple(base.weight.shape), self.tp_size)))
+        for short, hf in self.hf_names.items():
+            out_full, in_full = shapes[short]
+            a, b = _peft_init(f"{hf}.{short}.{expert}", self.ranks[short], out_full, in_full,
+                              base.weight.is_meta)
             # in the base's dtype: a bf16 model's optimizer keeps fp32 main copies of both
             self.A[short] = torch.nn.Parameter(self.local(a, "A").to(base.weight.dtype))
             self.B[short] = torch.nn.Parameter(self.local(b, "B").to(base.weight.dtype))
         for which, params in (("A", self.A), ("B", self.B)):
             for param in params.values():
                 self._mark(param, self.split_dim(which), kind, base)
-
-    def _full_shapes(self, base: torch.nn.Module) -> List[Tuple[int, int]]:
-        return full_shapes(self.style, self.transform, self.arch, len(self.hf_names),
-                           tuple(base.weight.shape), self.tp_size)
 
     def split_dim(self, which: str) -> Optional[int]:
         """The dimension this rank's piece of A or B is cut along (None: whole)."""
@@ -165,29 +197,42 @@ class LoraAdapter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.dropout(x)
-        z = torch.cat([x @ a.t() for a in self.A.values()], dim=-1)  # [..., parts * r]
+        z = torch.cat([x @ a.t() for a in self.A.values()], dim=-1)  # [..., sum of the parts' ranks]
         if self.tp_size > 1 and self.style == "column":
             z = (gather_from_sequence_parallel_region(z) if self.sequence_parallel
                  else copy_to_tensor_model_parallel_region(z))
         elif self.tp_size > 1 and self.style == "row":
             z = (reduce_scatter_to_sequence_parallel_region(z) if self.sequence_parallel
                  else reduce_from_tensor_model_parallel_region(z))
-        pieces = [zp @ b.t() for zp, b in zip(z.split(self.rank, dim=-1), self.B.values())]
-        return self._fuse([p.movedim(-1, 0) for p in pieces]).movedim(0, -1) * self.scaling
+        pieces = {short: (zp @ b.t() * self.scalings[short]).movedim(-1, 0) for (short, b), zp in
+                  zip(self.B.items(), z.split(list(self.ranks.values()), dim=-1))}
+        return self._fuse(pieces).movedim(0, -1)
 
-    def _fuse(self, pieces: List[torch.Tensor]) -> torch.Tensor:
-        return fuse_rows(self.transform, self.arch, pieces, self.tp_size)
+    def _fuse(self, pieces: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return fuse_rows(self.transform, self.arch, [pieces.get(short) for short in self.projections],
+                         self.tp_size)
 
     def delta_weight(self) -> torch.Tensor:
         """scaling * B @ A in the base weight's local layout, for merging into it."""
-        return self._fuse([b @ a for a, b in zip(self.A.values(), self.B.values())]) * self.scaling
+        return self._fuse({short: (self.B[short] @ self.A[short]) * self.scalings[short]
+                           for short in self.hf_names})
 
 
-def fuse_rows(transform: str, arch: ModelArch, pieces: List[torch.Tensor], tp_size: int = 1) -> torch.Tensor:
+def fuse_rows(transform: str, arch: ModelArch, pieces: List[Optional[torch.Tensor]],
+              tp_size: int = 1) -> torch.Tensor:
     """The HF projections' rows (dimension 0) in their Megatron linear's row order, on one TP rank
-    of `tp_size` (1: the whole linear): weight_transforms' merge."""
+    of `tp_size` (1: the whole linear): weight_transforms' merge. A projection without an adapter
+    (None) gets zero rows: q's, k's or v's height, or its sibling's (gate and up are as tall)."""
+    present = next(p for p in pieces if p is not None)
     if transform == "qkv":
-        return wt.merge_qkv(*pieces, arch.num_heads // tp_size, arch.num_kv_heads // tp_size, arch.head_dim)
+        heads, kv_heads = arch.num_heads // tp_size, arch.num_kv_heads // tp_size
+        heights = [heads * arch.head_dim, kv_heads * arch.head_dim, kv_heads * arch.head_dim]
+    else:
+        heights = [present.shape[0]] * len(pieces)
+    pieces = [p if p is not None else present.new_zeros((h, *present.shape[1:]))
+              for p, h in zip(pieces, heights)]
+    if transform == "qkv":
+        return wt.merge_qkv(*pieces, heads, kv_heads, arch.head_dim)
     return torch.cat(pieces, dim=0)
 
 
@@ -262,25 +307,68 @@ def kinds_of(arch: ModelArch) -> List[str]:
             if any(_matches(kind, row.megatron, r"\{layer\}") for row in rows(arch))]
 
 
-def hf_module_names(arch: ModelArch, kind: str) -> set:
-    """The HF projections (last name part: q_proj, gate_proj, ...) a kind's adapters stand for: PEFT's
-    target_modules; for routed experts, the parameter of `mlp.experts` (PEFT's target_parameters)."""
+def projections(arch: ModelArch, kind: str) -> Tuple[str, ...]:
+    """The HF projections (last name part: q_proj, gate_proj, ...) a kind's linear fuses, in its row
+    order: PEFT's target_modules; for routed experts, the parameter of `mlp.experts` (PEFT's
+    target_parameters)."""
     if KINDS[kind].expert:
-        return {KINDS[kind].expert}
-    return {hf.rsplit(".", 2)[-2] for row in rows(arch)
-            if _matches(KINDS[kind], row.megatron, r"\{layer\}") for hf in row.hf}
+        return (KINDS[kind].expert,)
+    return next((tuple(hf.rsplit(".", 2)[-2] for hf in row.hf) for row in rows(arch)
+                 if _matches(KINDS[kind], row.megatron, r"\{layer\}")), ())
+
+
+@functools.lru_cache(maxsize=None)
+def _known_projections() -> Dict[str, frozenset]:
+    """{kind: every projection its linear fuses in any family's weight table}."""
+    known = {name: set([kind.expert] if kind.expert else []) for name, kind in KINDS.items()}
+    for table in TABLES.values():
+        for row in table:
+            for name, kind in KINDS.items():
+                if not kind.expert and _matches(kind, row.megatron, r"\{layer\}"):
+                    known[name].update(hf.rsplit(".", 2)[-2] for hf in row.hf)
+    return {name: frozenset(shorts) for name, shorts in known.items()}
+
+
+def _projection_names() -> set:
+    """The HF projection names lora.targets takes (PEFT's target_modules: not the routed experts')."""
+    return {short for name, shorts in _known_projections().items() if not KINDS[name].expert
+            for short in shorts}
+
+
+def _known_target(name: str) -> bool:
+    """Whether `name` is a kind, an HF projection name, or KIND.PROJECTION of some family."""
+    kind, _, short = name.partition(".")
+    return name in KINDS or name in _projection_names() or short in _known_projections().get(kind, ())
+
+
+def chosen_parts(arch: ModelArch, config: LoraConfig) -> Dict[str, Tuple[str, ...]]:
+    """{kind: the projections adapted in its linear, in row order} of what `config.targets` names
+    on this model, or a ValueError naming the targets it lacks."""
+    present = kinds_of(arch)
+    wanted: Dict[str, set] = {}
+    missing = []
+    for target in config.targets:
+        kind, _, short = target.partition(".")
+        if target == ALL or target in KINDS:
+            chosen = {k: set(projections(arch, k)) for k in present if target in (ALL, k)}
+        elif short:
+            chosen = {kind: {short}} if kind in present and short in projections(arch, kind) else {}
+        else:  # an HF projection name: that projection of every linear that has it (not the experts')
+            chosen = {k: {target} for k in present if not KINDS[k].expert and target in projections(arch, k)}
+        if not chosen:
+            missing.append(target)
+        for k, shorts in chosen.items():
+            wanted.setdefault(k, set()).update(shorts)
+    if missing:
+        names = sorted({p for k in present if not KINDS[k].expert for p in projections(arch, k)})
+        raise ValueError(f"lora.targets {missing}: {arch.family} has no such modules; its kinds: "
+                         f"{present} (or '{ALL}'), its projections: {names}")
+    return {k: tuple(p for p in projections(arch, k) if p in wanted[k]) for k in present if k in wanted}
 
 
 def chosen_kinds(arch: ModelArch, config: LoraConfig) -> Dict[str, Kind]:
-    """The kinds `config.targets` names on this model, or a ValueError naming the missing ones."""
-    present = kinds_of(arch)
-    if ALL in config.targets:
-        return {name: KINDS[name] for name in present}
-    missing = [t for t in config.targets if t not in present]
-    if missing:
-        raise ValueError(f"lora.targets {missing}: {arch.family} has no such modules; its kinds: "
-                         f"{present} (or '{ALL}')")
-    return {name: KINDS[name] for name in config.targets}
+    """The kinds with at least one adapted projection (chosen_parts)."""
+    return {name: KINDS[name] for name in chosen_parts(arch, config)}
 
 
 def attach(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig) -> None:
@@ -289,7 +377,8 @@ def attach(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig) -
     and the optimizer are built."""
     from megarl.platform.device_choice import uses_transformer_engine
 
-    kinds = chosen_kinds(arch, config)
+    parts = chosen_parts(arch, config)
+    kinds = {name: KINDS[name] for name in parts}
     if uses_transformer_engine():
         raise ValueError("LoRA adapts Megatron's local linear layers; Transformer Engine's fuse the "
                          "norm into the projection whose input the adapter needs: set "
@@ -309,14 +398,13 @@ def attach(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig) -
             entry = entry_for(arch, canonical)
             if kinds[kind].expert:
                 module_name, expert = expert_of(canonical)
-                names = {kinds[kind].expert: module_name}
-                module.lora = LoraAdapter(config, kind, module, names, "copy", arch,
-                                          chunk.config.sequence_parallel,
+                module.lora = LoraAdapter(config, kind, module, {kinds[kind].expert: module_name},
+                                          parts[kind], "copy", arch, chunk.config.sequence_parallel,
                                           (expert, expert_nesting(kinds, kind)))
             else:
                 names = {hf.rsplit(".", 2)[-2]: hf[:-len(".weight")] for hf in entry.hf}
-                module.lora = LoraAdapter(config, kind, module, names, entry.transform, arch,
-                                          chunk.config.sequence_parallel)
+                module.lora = LoraAdapter(config, kind, module, names, parts[kind], entry.transform,
+                                          arch, chunk.config.sequence_parallel)
             module.register_forward_hook(_add_delta)
 
 

@@ -5,13 +5,21 @@ adapter_model.safetensors with one lora_A [r, in] and one lora_B [out, r] per HF
 `base_model.model.<HF module>.lora_A.weight`. megarl's adapters (models/lora/adapters.py) hold the same
 matrices, cut for the layout, so loading cuts and saving joins: no arithmetic, and PEFT -> megarl
 -> PEFT is bit-exact.
+
+A folder may adapt any projections, each with its own rank and alpha (rank_pattern, alpha_pattern),
+read from its tensors: q_proj and v_proj without k_proj adapt those two of megarl's fused
+linear_qkv. read_config refuses, naming the field, what megarl's adapters do not run (DoRA, bias
+training, modules_to_save, other PEFT methods, some layers only) and target_modules entries that
+name no module of the model, before any model is built. A saved folder keeps the user's own
+target_modules, target_parameters and patterns (config.init's folder), else names the adapted
+projections itself (peft_targets).
 """
 
 import json
 import os
 import re
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,10 +34,13 @@ from megarl.models.lora.adapters import (
     LoraConfig,
     adapters,
     attach,
-    chosen_kinds,
-    hf_module_names,
+    chosen_parts,
+    expert_of,
+    kind_of,
     kinds_of,
+    projections,
 )
+from megarl.models.weights.tables import entries
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -61,28 +72,109 @@ def _stack_experts(pieces: Dict[int, torch.Tensor], which: str) -> torch.Tensor:
     return torch.stack(ordered, dim=-1).flatten(1)
 
 
+# The adapter_config.json fields of PEFT features megarl's adapters do not run, with their plain
+# values: DoRA, bias training (the base's, or LoRA's own on B), extra trained modules or tokens,
+# adapters on some layers only, duplicated layers.
+PLAIN_FIELDS = (("use_dora", False), ("bias", "none"), ("lora_bias", False), ("modules_to_save", None),
+                ("trainable_token_indices", None), ("layers_to_transform", None),
+                ("layer_replication", None))
+# What PEFT's config says about which modules and ranks, kept as the user wrote it when a run's
+# adapters came from a folder (write_folder)
+TARGET_FIELDS = ("target_modules", "target_parameters", "rank_pattern", "alpha_pattern")
+PartModules = Dict[Tuple[str, str], List[str]]  # part_modules: {(kind, projection): its HF modules}
+
+
+def part_modules(arch: ModelArch) -> PartModules:
+    """{(kind, projection): every HF module it stands for, layer by layer} on this model; a routed
+    expert kind's is the layer's fused parameter (`model.layers.N.mlp.experts.gate_up_proj`, as
+    PEFT's target_parameters and rank_pattern name it)."""
+    present = {kind: KINDS[kind] for kind in kinds_of(arch)}
+    modules: PartModules = {}
+    for entry in entries(arch):
+        kind = kind_of(present, entry.megatron)
+        if kind is None:
+            continue
+        if KINDS[kind].expert:
+            names = {KINDS[kind].expert: f"{expert_of(entry.megatron)[0]}.{KINDS[kind].expert}"}
+        else:
+            names = {hf.rsplit(".", 2)[-2]: hf[:-len(".weight")] for hf in entry.hf}
+        for short, module in names.items():
+            found = modules.setdefault((kind, short), [])
+            if module not in found:
+                found.append(module)
+    return modules
+
+
+def _refuse_features(saved: dict, path: str) -> None:
+    if saved.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type={saved.get('peft_type')!r}; megarl loads LoRA adapters "
+                         "(peft_type 'LORA'), not LoHa, LoKr, IA3 or other PEFT methods")
+    for field, plain in PLAIN_FIELDS:
+        if saved.get(field, plain) not in (plain, None, {}, []):
+            raise ValueError(f"{path}: {field}={saved[field]!r} is not supported; megarl's adapters are "
+                             f"plain LoRA on every layer ({field}={plain!r})")
+
+
+def _peft_matches(target: str, name: str, regex: bool) -> bool:
+    """PEFT's rule: a string target_modules is a regex the whole name matches; a list's entry is the
+    name or its end."""
+    if regex:
+        return re.fullmatch(target, name) is not None
+    return name == target or name.endswith("." + target)
+
+
+def _check_targets(saved: dict, arch: ModelArch, path: str, expected: PartModules) -> None:
+    """Refuses a target_modules or target_parameters entry that names nothing in this model
+    (`expected`: part_modules)."""
+    modules = {"lm_head"}  # every causal LM has one (tied: the embedding's weight)
+    for entry in entries(arch):
+        for hf in entry.hf:
+            parts = hf.split(".")[:-1]
+            modules.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    parameters = {module for (kind, _), found in expected.items() if KINDS[kind].expert for module in found}
+    for field, names in (("target_modules", modules), ("target_parameters", parameters)):
+        value = saved.get(field)
+        if value == "all-linear":  # PEFT's own word for every linear but the head
+            continue
+        regex = isinstance(value, str)
+        unmatched = [t for t in ([value] if regex else value or [])
+                     if not any(_peft_matches(t, name, regex) for name in names)]
+        if unmatched:
+            names = sorted({short for _, short in expected})
+            raise ValueError(f"{path}: {field} entries {unmatched} match no module of this {arch.family} "
+                             f"model; its adaptable projections: {names}")
+
+
 def read_config(adapter_dir: str, arch: ModelArch) -> LoraConfig:
-    """The LoraConfig a PEFT folder was trained with; refuses what megarl's adapters cannot hold."""
+    """The LoraConfig a PEFT folder was trained with; refuses what megarl's adapters cannot hold,
+    naming the field, before any model is built."""
     path = os.path.join(adapter_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{adapter_dir!r} is not a PEFT adapter folder: {CONFIG_FILE} is "
                                 "missing (PEFT's save_pretrained writes it)")
     with open(path) as f:
         saved = json.load(f)
-    if saved.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{path}: peft_type {saved.get('peft_type')!r}; megarl loads LORA adapters")
-    for field, plain in (("use_dora", False), ("bias", "none"), ("modules_to_save", None)):
-        if saved.get(field, plain) not in (plain, None, {}, []):
-            raise ValueError(f"{path}: {field}={saved[field]!r} is not supported; megarl's adapters are "
-                             f"plain LoRA ({field}={plain!r})")
+    _refuse_features(saved, path)
+    expected = part_modules(arch)
+    _check_targets(saved, arch, path, expected)
     rank, alpha = int(saved["r"]), float(saved["lora_alpha"])
-    found = _file_kinds(adapter_dir, arch, saved.get("target_parameters") or [])
-    alphas = {kind: _pattern_value(module, saved.get("alpha_pattern") or {}, alpha)
-              for kind, (module, _) in found.items()}
+    found = _file_parts(adapter_dir, arch, saved, alpha, expected)
+    targets, ranks, alphas = [], {}, {}
+    for kind in kinds_of(arch):
+        shorts = [s for s in projections(arch, kind) if (kind, s) in found]
+        if not shorts:
+            continue
+        targets += [kind] if len(shorts) == len(projections(arch, kind)) else [f"{kind}.{s}" for s in shorts]
+        for table, default, index in ((ranks, rank, 0), (alphas, alpha, 1)):
+            values = {s: found[(kind, s)][index] for s in shorts}
+            if len(set(values.values())) == 1:  # one value for the kind's every adapted projection
+                values = {kind: next(iter(values.values()))}
+            else:
+                values = {f"{kind}.{s}": v for s, v in values.items()}
+            table.update({key: v for key, v in values.items() if v != default})
     return LoraConfig(rank=rank, alpha=alpha, dropout=float(saved.get("lora_dropout", 0.0)),
-                      targets=tuple(found), rslora=bool(saved.get("use_rslora", False)),
-                      kind_ranks={kind: r for kind, (_, r) in found.items() if r != rank},
-                      kind_alphas={kind: a for kind, a in alphas.items() if a != alpha})
+                      targets=tuple(targets), rslora=bool(saved.get("use_rslora", False)),
+                      kind_ranks=ranks, kind_alphas=alphas)
 
 
 def _pattern_value(module: str, patterns: Dict[str, float], default: float) -> float:
@@ -93,15 +185,23 @@ def _pattern_value(module: str, patterns: Dict[str, float], default: float) -> f
     return default
 
 
-def _file_kinds(adapter_dir: str, arch: ModelArch, target_parameters: List[str]) -> Dict[str, tuple]:
-    """{kind: (an HF module it adapts, its rank)} of every kind the folder's tensors adapt, read from
-    the tensors themselves (target_modules may be a regex; PEFT widens some ranks)."""
+def _file_parts(adapter_dir: str, arch: ModelArch, saved: dict, alpha: float,
+                expected: PartModules) -> Dict[Tuple[str, str], tuple]:
+    """{(kind, projection): (its rank, its alpha)} of every projection the folder's tensors adapt,
+    read from the tensors themselves (target_modules may be a regex; PEFT widens some ranks).
+    Refuses tensors that are not LoRA's, modules megarl has no kind for, and a projection adapted
+    in some layers only or with ranks or alphas that differ between layers (`expected`:
+    part_modules)."""
     present = kinds_of(arch)
-    adapted = {name.rsplit(".", 1)[-1] for name in target_parameters}
+    part_of = {module: part for part, modules in expected.items() for module in modules}
+    adapted = {name.rsplit(".", 1)[-1] for name in saved.get("target_parameters") or []}
     routed = [kind for kind in EXPERT_ORDER if kind in present and KINDS[kind].expert in adapted]
-    found, seen = {}, set()  # seen: the HF projections (last name part) the tensors adapt
+    seen: Dict[Tuple[str, str], Dict[str, tuple]] = {}  # part -> {module: (rank, alpha)}
     with safe_open(os.path.join(adapter_dir, WEIGHTS_FILE), "pt") as f:
         for key in f.keys():
+            if not re.search(r"\.lora_[AB]\.weight$", key):
+                raise ValueError(f"{adapter_dir}: {key} is not a LoRA A or B (megarl's adapters are "
+                                 "plain LoRA: no DoRA magnitudes, biases, trained modules or tokens)")
             if not key.endswith(".lora_A.weight"):
                 continue
             rows = f.get_slice(key).get_shape()[0]
@@ -114,25 +214,28 @@ def _file_kinds(adapter_dir: str, arch: ModelArch, target_parameters: List[str])
                 kind = routed[len(routed) - 1 - module.count("base_layer")] if routed else None
                 module = module.split(".base_layer")[0] + "." + (KINDS[kind].expert if kind else "")
                 rows //= arch.num_experts
-            else:
-                short = module.rsplit(".", 1)[-1]
-                kind = next((k for k in present if not KINDS[k].expert and short in hf_module_names(arch, k)
-                             and (".shared_experts." in key) == k.startswith("shared")), None)
-            if kind is None:
+            part = part_of.get(module)
+            if part is None:
                 raise ValueError(f"{adapter_dir}: {key} adapts a module megarl has no adapter kind for "
                                  f"on {arch.family} (kinds: {present})")
-            found[kind] = (module, rows)
-            seen.add(module.rsplit(".", 1)[-1])
-    if not found:
+            module_alpha = _pattern_value(module, saved.get("alpha_pattern") or {}, alpha)
+            seen.setdefault(part, {})[module] = (rows, module_alpha)
+    if not seen:
         raise ValueError(f"{adapter_dir}: {WEIGHTS_FILE} holds no lora_A tensors")
-    for kind in found:  # a fused Megatron linear holds all its projections' adapters or none
-        missing = sorted(hf_module_names(arch, kind) - seen)
+    for (kind, short), modules in seen.items():
+        missing = [m for m in expected[(kind, short)] if m not in modules]
         if missing:
-            raise ValueError(f"{adapter_dir} adapts {sorted(hf_module_names(arch, kind) & seen)} but "
-                             f"not {missing}: megarl fuses them into one linear ({kind}) and adapts "
-                             f"all of its projections; train the folder with {missing} among "
-                             "target_modules too")
-    return found
+            raise ValueError(f"{adapter_dir} adapts {short} in {len(modules)} of the "
+                             f"{len(expected[(kind, short)])} modules that have it, not in {missing[:3]}: "
+                             "megarl adapts a projection in every layer that has it; give the folder's "
+                             "target_modules the projection's name, not some layers' modules")
+        first, a = next(iter(modules.items()))
+        other, b = next(((m, v) for m, v in modules.items() if v != a), (None, a))
+        if other is not None:
+            raise ValueError(f"{adapter_dir}: {first} has (rank, alpha) {a} but {other} {b}: megarl gives "
+                             "a projection one rank and alpha in every layer (rank_pattern and "
+                             "alpha_pattern by projection, not by layer)")
+    return {part: next(iter(modules.values())) for part, modules in seen.items()}
 
 
 def load(chunks: List[torch.nn.Module], adapter_dir: str) -> None:
@@ -152,7 +255,7 @@ def load(chunks: List[torch.nn.Module], adapter_dir: str) -> None:
                 local = adapter.local(full, which)
                 if local.shape != params[short].shape:
                     raise ValueError(f"{adapter_dir}: {key} is {tuple(tensors[key].shape)}, this model's "
-                                     f"adapter needs rank {adapter.rank} (lora.rank)")
+                                     f"adapter needs rank {adapter.ranks[short]} (lora.rank)")
                 with torch.no_grad():
                     params[short].copy_(local)
                 used.add(key)
@@ -233,32 +336,58 @@ def save(chunks: List[torch.nn.Module], arch: ModelArch, config: LoraConfig, out
 
 def write_folder(tensors: Dict[str, torch.Tensor], arch: ModelArch, config: LoraConfig, out_dir: str,
                  base_model: str = None) -> None:
-    """`tensors` (PEFT names, whole) and `config` as a PEFT folder."""
-    kinds = chosen_kinds(arch, config)
-    modules = sorted({n for kind in kinds if not KINDS[kind].expert for n in hf_module_names(arch, kind)})
-    parameters = sorted({f"mlp.experts.{KINDS[kind].expert}" for kind in kinds if KINDS[kind].expert})
+    """`tensors` (PEFT names, whole) and `config` as a PEFT folder: which modules and ranks as the
+    user's folder said them (config.init), else named from the adapted projections (peft_targets)."""
     os.makedirs(out_dir, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, WEIGHTS_FILE),
               metadata={"format": "pt"})
+    targets = _users_targets(config) or peft_targets(arch, config)
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
         json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank,
                    "lora_alpha": config.alpha, "lora_dropout": config.dropout,
-                   "use_rslora": config.rslora, "target_modules": modules,
-                   "target_parameters": parameters or None, "bias": "none",
-                   "rank_pattern": _patterns(arch, config.kind_ranks),
-                   "alpha_pattern": _patterns(arch, config.kind_alphas),
+                   "use_rslora": config.rslora, "bias": "none", **targets,
                    "base_model_name_or_path": base_model, "inference_mode": True}, f, indent=2)
 
 
-def _patterns(arch: ModelArch, by_kind: Dict[str, float]) -> Dict[str, float]:
-    """PEFT's rank_pattern or alpha_pattern for the kinds whose rank or alpha is their own (as PEFT
-    writes them: ".*\\.NAME"; the shared experts' first, as _pattern_value takes the first match)."""
-    patterns = {}
-    for kind in sorted(by_kind, key=lambda k: not k.startswith("shared")):
-        names = [KINDS[kind].expert] if KINDS[kind].expert else sorted(hf_module_names(arch, kind))
-        prefix = r".*\.shared_experts\." if kind.startswith("shared") else r".*\."
-        patterns.update({prefix + re.escape(name): by_kind[kind] for name in names})
-    return patterns
+def _users_targets(config: LoraConfig) -> Optional[dict]:
+    """TARGET_FIELDS as config.init's folder gives them (None: no folder to read). A run's
+    adapters are that folder's (run_config), so its names select the same modules; a folder gone
+    since the run began leaves peft_targets' names, which select them too."""
+    try:
+        with open(os.path.join(config.init, CONFIG_FILE)) as f:
+            saved = json.load(f)
+    except (TypeError, OSError):
+        return None
+    return {field: saved.get(field) for field in TARGET_FIELDS}
+
+
+def peft_targets(arch: ModelArch, config: LoraConfig) -> dict:
+    """TARGET_FIELDS for `config`'s adapters on `arch`: a projection by its name (q_proj) where
+    that name selects exactly the adapted modules (every linear with it is adapted, for
+    target_modules; no other adapted projection has it, for the patterns), else by its path in the
+    layer (mlp.shared_experts.up_proj); routed experts' parameters as mlp.experts.NAME."""
+    parts = chosen_parts(arch, config)
+    modules = part_modules(arch)
+    adapted = {(kind, short) for kind, shorts in parts.items() for short in shorts}
+    every = {(kind, short) for kind in kinds_of(arch) for short in projections(arch, kind)}
+
+    def path(part) -> str:
+        return re.sub(r"^model\.layers\.\d+\.", "", modules[part][0])
+
+    target_modules, target_parameters, ranks, alphas = set(), set(), {}, {}
+    for kind, short in sorted(adapted):
+        if KINDS[kind].expert:
+            target_parameters.add(path((kind, short)))
+        else:
+            same_name = {(k, s) for k, s in every if s == short and not KINDS[k].expert}
+            target_modules.add(short if same_name <= adapted else path((kind, short)))
+        key = short if [s for _, s in adapted].count(short) == 1 else re.escape(path((kind, short)))
+        if config.rank_of(kind, short) != config.rank:
+            ranks[key] = config.rank_of(kind, short)
+        if config.alpha_of(kind, short) != config.alpha:
+            alphas[key] = config.alpha_of(kind, short)
+    return {"target_modules": sorted(target_modules), "target_parameters": sorted(target_parameters) or None,
+            "rank_pattern": ranks, "alpha_pattern": alphas}
 
 
 def run_config(wanted: LoraConfig, arch: ModelArch) -> Optional[LoraConfig]:
@@ -276,7 +405,7 @@ def run_config(wanted: LoraConfig, arch: ModelArch) -> Optional[LoraConfig]:
                              "actor.lora's rank to take the folder's")
     if not config.rank:
         return None
-    chosen_kinds(arch, config)
+    chosen_parts(arch, config)
     return config
 
 
