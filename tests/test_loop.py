@@ -677,23 +677,37 @@ def _dense_lora_run(root):
     run("scripts/train_ppo_moe.py", *_args(inputs, run_dir, "steps=3", "layout.world_size=1", "layout.ep=1",
                                            "model.megatron_dir=null", "actor.router_replay=off",
                                            "data.prompts_per_step=8", "checkpoint.every=0",
+                                           "actor.lora.targets=[q_proj,v_proj]",
                                            config="configs/demo_lora_cpu.yaml"),
         nproc=1, timeout=900, env=one_rank_env())
     return run_dir
 
 
 def test_a_dense_lora_run_syncs_the_adapters_alone(one_rank_runs):
-    """The LoRA demo's settings on a tiny dense Qwen3 (prepare_demo.py --model qwen3), 3 steps:
-    its engine serves the adapters from vLLM's LoRA slots. The first sync writes the base weights
-    and the adapters; every later one only the adapters, as many bytes as the run's final PEFT
-    folder holds (sync/engine_bytes, counted by the transport). vLLM's log-probs equal the
-    actor's every step (< 1e-4), so the slots serve what the actor trains."""
+    """The LoRA demo's settings on a tiny dense Qwen3 (prepare_demo.py --model qwen3), 3 steps,
+    with PEFT's default targets (actor.lora.targets=[q_proj,v_proj]: two of the fused QKV's three
+    projections): its engine serves the adapters from vLLM's LoRA slots. The first sync writes the
+    base weights and the adapters; every later one only the adapters, as many bytes as the run's
+    final PEFT folder holds (sync/engine_bytes, counted by the transport). vLLM's log-probs equal
+    the actor's every step (< 1e-4), so the slots serve what the actor trains. Adam's state holds
+    the q and v adapters alone, as the folder and the memory planner count them."""
     from safetensors.torch import load_file
+
+    from megarl.models.hf.config import load_arch
+    from megarl.models.lora.adapters import LoraConfig
+    from megarl.models.memory.held_params import held_params
+    from megarl.parallel_state.dims import ParallelDims
 
     run_dir = one_rank_runs["test_a_dense_lora_run_syncs_the_adapters_alone"].result()
     steps = [s for s in _steps(run_dir) if s["step"] > 0]
     adapters = load_file(str(run_dir / "lora" / "adapter_model.safetensors"))
+    assert {name.split(".")[-3] for name in adapters} == {"q_proj", "v_proj"}, sorted(adapters)
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+    # two fp32 moments per element of the adapters (fp32 here): the folder's, and the planner's
+    arch = load_arch(str(run_dir.parent / "inputs" / "model"))
+    planned = held_params(arch, ParallelDims(world_size=1),
+                          lora=LoraConfig(rank=2, alpha=16, targets=("q_proj", "v_proj")))[0]
+    assert steps[-1]["memory/actor_optimizer_state_bytes"] == 8 * planned.elements == 2 * adapter_bytes
     assert [s["sync/engine_bytes"] for s in steps[1:]] == [adapter_bytes] * 2, steps
     assert steps[0]["sync/engine_bytes"] > 20 * adapter_bytes  # the base, once
     assert max(s["mismatch/logprob_diff_max"] for s in steps) < 1e-4
