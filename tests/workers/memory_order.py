@@ -16,6 +16,7 @@ import time
 from offload_handoff import freed, tensors  # noqa: I001 (next to this script)
 
 from megarl.planning.config import RunConfig
+from megarl.planning.preflight import preflight
 from megarl.planning.typed_config import load
 from megarl.rollout import builder
 from megarl.rollout.engine import SamplingConfig
@@ -78,7 +79,7 @@ def main():
 
     # The engine is made by the rollout side's builder, which setup calls.
     loop.build_model, builder.VLLMEngine = recorded_build, RecordedEngine
-    run, done = loop.setup(config, resume=None)
+    run, done = loop.setup(preflight(config), resume=None)
     STATES[:] = [run.actor.state] + ([run.critic.state] if run.critic is not None else [])
     record("setup_done")
     metrics = [loop.step(run, number).metrics for number in range(done + 1, done + 3)]
