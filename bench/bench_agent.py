@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]  # megarl, and the bench's helpers for the pool's workers
@@ -129,8 +130,13 @@ def env_case(engine, tokenizer, prompts, seed: int) -> dict:
         replies = _pool_values(loop.pool(), jobs)
         return [None if r.get("done") else {"role": "user", "content": r["content"]} for r in replies]
 
+    # The loop's max_new_tokens is a conversation's whole response, inserted steps included; the
+    # lockstep run's is each turn's (it generates a turn at a time). A conversation's budget of
+    # max_turns such turns binds neither: both end every conversation at its workload's turns
+    # (checked below; with 64 in all, one 8-turn conversation ended on its budget at turn 7).
+    conversation = replace(SAMPLING, max_new_tokens=config.max_turns * SAMPLING.max_new_tokens)
     start = time.monotonic()
-    in_flight = [s.events["turns"] for s in produce(loop, TurnDriver(engine), prompts, SAMPLING)]
+    in_flight = [s.events["turns"] for s in produce(loop, TurnDriver(engine), prompts, conversation)]
     in_flight_s = time.monotonic() - start
     start = time.monotonic()
     lockstep = _lockstep(engine, tokenizer, prompts, loop.pool(), SAMPLING, config.max_turns, answer)
