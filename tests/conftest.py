@@ -57,6 +57,7 @@ TIERS = {
                                          UNIT,
                                      "test_travel_size_sums_the_wheels_and_refuses_over_the_limit": UNIT}),
     "test_gpu_smoke": E2E,  # tests/gpu/: skipped without CUDA (tests/gpu/conftest.py)
+    "test_gated_delta_rule": UNIT,
     "test_hf_config": UNIT,
     # the parity and round-trip launches (one per world size); the syncs into vLLM; the rest reads
     # files in this process
