@@ -51,7 +51,18 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                         # As transformers' save_pretrained writes it, as users often start RL
                         # from it: the MTP layer declared, its weights absent (GLM-4.5's stored).
                         mtp_weights=False),
+    # Gated DeltaNet hybrid: three linear-attention layers, then gated full attention; linear
+    # key/value heads of 64 (vLLM's CPU kernels refuse 32); MoE with a gated shared expert.
+    "qwen3_next": dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+                       layer_types=["linear_attention"] * 3 + ["full_attention"],
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                       linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=128, norm_topk_prob=True,
+                       partial_rotary_factor=0.25, router_aux_loss_coef=0.0),
 }
+
+ZERO_CENTERED_NORMS = ("qwen3_next",)
 
 
 def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 0.08,
@@ -76,7 +87,9 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                # Qwen3-Next's RMSNorms scale by (1 + weight), except its linear attention's
+                offset = 0.0 if family in ZERO_CENTERED_NORMS and "linear_attn" not in name else 1.0
+                param.copy_(offset + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, std)
         for name, buffer in model.named_buffers():
