@@ -58,6 +58,7 @@ TIERS = {
                                      "test_travel_size_sums_the_wheels_and_refuses_over_the_limit": UNIT}),
     "test_gpu_smoke": E2E,  # tests/gpu/: skipped without CUDA (tests/gpu/conftest.py)
     "test_gated_delta_rule": UNIT,
+    "test_hybrid_packing": DISTRIBUTED,  # one two-rank launch
     "test_hf_config": UNIT,
     # the parity and round-trip launches (one per world size); the syncs into vLLM; the rest reads
     # files in this process
@@ -184,10 +185,12 @@ def selected_params(request, name: str) -> set:
 
 # Every family, plus the variants that break naive code (tied embeddings, one KV head).
 MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1", "glm4_moe",
-          "deepseek_v3"]
+          "deepseek_v3", "qwen3_next"]
 # Sigmoid + expert-bias routing, shared experts, dense first layers, MTP (and MLA for DeepSeek).
 DEEPSEEK_MODELS = ["glm4_moe", "deepseek_v3"]
-MOE_MODELS = ["qwen3_moe", "mixtral", *DEEPSEEK_MODELS]
+# Gated DeltaNet hybrids: linear-attention layers beside gated full attention, a gated shared expert.
+HYBRID_MODELS = ["qwen3_next"]
+MOE_MODELS = ["qwen3_moe", "mixtral", *DEEPSEEK_MODELS, *HYBRID_MODELS]
 # Converted with 2 ranks (each rank writes half the layers); the others with one process.
 TWO_RANK_CONVERSION = {"qwen3_moe", "llama_tied", "qwen2"}
 # Three layers: no even split over two pipeline stages, which the converter and the check scripts

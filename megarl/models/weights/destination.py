@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megarl.models.hf.config import ModelArch
+from megarl.models.weights import destination_hybrid as hybrid
 from megarl.models.weights import tables as weight_tables
 
-ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # Megatron and vLLM split their columns
+# Megatron and vLLM split their columns (out_proj: Gated DeltaNet's)
+ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
 
@@ -116,6 +118,8 @@ def _mla_shape(arch: ModelArch, canonical: str) -> Optional[Tuple[int, ...]]:
 def full_shape(arch: ModelArch, canonical: str) -> Tuple[int, ...]:
     """Shape of one full Megatron tensor, vocabulary unpadded (regions never reach padding)."""
     if arch.mla and (shape := _mla_shape(arch, canonical)) is not None:
+        return shape
+    if arch.layer_types and (shape := hybrid.hybrid_shape(arch, canonical)) is not None:
         return shape
     h, d = arch.hidden_size, arch.head_dim
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
@@ -264,6 +268,11 @@ def hf_tensors(arch: ModelArch, role: str = "policy") -> Tuple[DestTensor, ...]:
                 rows = _qkv_rows(arch, *heads, part)
                 out.append(DestTensor(name, (len(rows) * arch.head_dim, *shape[1:]),
                                       tuple(_rows(c, _runs(rows, arch.head_dim)))))
+        elif entry.transform in ("gated_qkv", "qkvzba"):
+            rows = (hybrid.gated_qkv_rows if entry.transform == "gated_qkv" else hybrid.qkvzba_rows)(arch)
+            out += [DestTensor(name, (sum(n for _, _, n in runs), *shape[1:]),
+                               tuple(Region(c, 0, start, n, dst) for start, dst, n in runs))
+                    for name, runs in zip(entry.hf, rows)]
         elif entry.transform == "gate_up":
             half = shape[0] // 2
             out += [DestTensor(name, (half, *shape[1:]), (Region(c, 0, i * half, half, 0),))

@@ -1,0 +1,56 @@
+"""Where the Gated DeltaNet hybrids' own tensors go (Qwen3-Next): their full shapes, and the rows of
+Megatron's fused tensors each HF tensor is made of. Pure functions of the architecture, used by
+destination.py beside the other families' rules.
+
+Megatron's in_proj is [q | k | v | z | beta | alpha] over all heads in order; HF's in_proj_qkvz
+and in_proj_ba group them per key head (weight transforms merge_qkvzba). The gated attention's
+linear_qkv is, per KV group, [q heads, gate heads, k, v]; HF's q_proj interleaves each head's
+query and gate (merge_gated_qkv).
+"""
+
+from typing import List, Optional, Tuple
+
+from megarl.models.hf.config import ModelArch
+
+
+def hybrid_shape(arch: ModelArch, canonical: str) -> Optional[Tuple[int, ...]]:
+    """The full shape of a hybrid's own tensor, None for the tensors every family has."""
+    h, nv = arch.hidden_size, arch.linear_value_heads
+    qk, vd = arch.linear_key_heads * arch.linear_key_dim, nv * arch.linear_value_dim
+    table = (("self_attention.in_proj.weight", (2 * qk + 2 * vd + 2 * nv, h)),
+             ("self_attention.conv1d.weight", (2 * qk + vd, 1, arch.linear_conv_kernel)),
+             ("self_attention.dt_bias", (nv,)), ("self_attention.A_log", (nv,)),
+             ("self_attention.out_norm.weight", (arch.linear_value_dim,)),
+             ("self_attention.out_proj.weight", (h, vd)),
+             ("mlp.shared_experts.gate_weight", (1, h)),
+             ("self_attention.linear_qkv.weight",  # with the output gate's rows
+              ((2 * arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, h)))
+    return next((shape for suffix, shape in table if canonical.endswith(suffix)), None)
+
+
+def gated_qkv_rows(arch: ModelArch) -> List[List[Tuple[int, int, int]]]:
+    """(full start, HF start, length) runs of HF q_proj, k_proj, v_proj in Megatron's linear_qkv."""
+    d, per_group = arch.head_dim, arch.num_heads // arch.num_kv_heads
+    group = (2 * per_group + 2) * d
+    q = []
+    for head in range(arch.num_heads):
+        start = (head // per_group) * group + (head % per_group) * d
+        q += [(start, 2 * head * d, d), (start + per_group * d, 2 * head * d + d, d)]
+    k = [(g * group + 2 * per_group * d, g * d, d) for g in range(arch.num_kv_heads)]
+    v = [(g * group + (2 * per_group + 1) * d, g * d, d) for g in range(arch.num_kv_heads)]
+    return [q, k, v]
+
+
+def qkvzba_rows(arch: ModelArch) -> List[List[Tuple[int, int, int]]]:
+    """(full start, HF start, length) runs of HF in_proj_qkvz and in_proj_ba in Megatron's in_proj."""
+    nk, nv, dk, dv = (arch.linear_key_heads, arch.linear_value_heads, arch.linear_key_dim,
+                      arch.linear_value_dim)
+    r, qk, vd = nv // nk, nk * dk, nv * dv
+    per = 2 * dk + 2 * r * dv
+    qkvz, ba = [], []
+    for g in range(nk):
+        qkvz += [(g * dk, g * per, dk), (qk + g * dk, g * per + dk, dk),
+                 (2 * qk + g * r * dv, g * per + 2 * dk, r * dv),
+                 (2 * qk + vd + g * r * dv, g * per + 2 * dk + r * dv, r * dv)]
+        ba += [(2 * qk + 2 * vd + g * r, 2 * g * r, r), (2 * qk + 2 * vd + nv + g * r, 2 * g * r + r, r)]
+    return [qkvz, ba]
