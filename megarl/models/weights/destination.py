@@ -214,7 +214,12 @@ def vllm_rank_tensors(arch: ModelArch, rollout: RolloutLayout, p: int,
 
     for entry in weight_tables.entries(arch, role):
         c, shape = entry.megatron, full_shape(arch, entry.megatron)
-        if entry.transform == "qkv":
+        mine = arch.layer_types and hybrid.vllm_tensors(arch, entry.transform, c, entry.hf, shape, tp, t,
+                                                        q_heads, kv_heads)
+        if mine:
+            for name, local_shape, runs in mine:
+                add(name, local_shape, [Region(c, 0, start, n, dst) for start, dst, n in runs])
+        elif entry.transform == "qkv":
             d = arch.head_dim
             runs = [_runs(_qkv_rows(arch, q_heads, kv_heads, part), d) for part in "qkv"]
             offsets = [0, len(q_heads) * d, (len(q_heads) + len(kv_heads)) * d]

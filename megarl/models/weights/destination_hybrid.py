@@ -54,3 +54,54 @@ def qkvzba_rows(arch: ModelArch) -> List[List[Tuple[int, int, int]]]:
                  (2 * qk + vd + g * r * dv, g * per + 2 * dk + r * dv, r * dv)]
         ba += [(2 * qk + 2 * vd + g * r, 2 * g * r, r), (2 * qk + 2 * vd + nv + g * r, 2 * g * r + r, r)]
     return [qkvz, ba]
+
+
+# Split over vLLM's TP ranks by heads, each part apart (its mamba_v2_sharded_weight_loader for the
+# conv's [q, k, v]; sharded_weight_loader(0) for the per-head decay parameters).
+HEAD_SPLIT = ("self_attention.conv1d.weight", "self_attention.dt_bias", "self_attention.A_log")
+
+Runs = List[Tuple[int, int, int]]
+
+
+def _local(runs: Runs, keep) -> Runs:
+    """The runs `keep` selects, written one after another from 0."""
+    out, dst = [], 0
+    for start, _, n in (run for i, run in enumerate(runs) if keep(i)):
+        out.append((start, dst, n))
+        dst += n
+    return out
+
+
+def vllm_tensors(arch: ModelArch, transform: str, canonical: str, names: Tuple[str, ...],
+                 shape: Tuple[int, ...], tp: int, t: int,
+                 q_heads: range, kv_heads: range) -> Optional[List[Tuple[str, Tuple[int, ...], Runs]]]:
+    """(vLLM parameter name, shape, (full start, start, length) runs along dim 0) of a hybrid's
+    tensor on vLLM TP rank t, None for the tensors every family has. vLLM's Qwen3-Next keeps HF's
+    grouped layouts (in_proj_qkvz, in_proj_ba: the rank's key-head groups; qkv_proj's q part: HF
+    q_proj's rows of the rank's heads, each query then its gate)."""
+    if transform == "gated_qkv":
+        d = arch.head_dim
+        q, k, v = gated_qkv_rows(arch)
+        runs = (_local(q, lambda i: i // 2 in q_heads) +
+                [(s, 2 * len(q_heads) * d + dst, n) for s, dst, n in _local(k, lambda i: i in kv_heads)] +
+                [(s, (2 * len(q_heads) + len(kv_heads)) * d + dst, n)
+                 for s, dst, n in _local(v, lambda i: i in kv_heads)])
+        return [(names[0].replace("q_proj", "qkv_proj"), ((2 * len(q_heads) + 2 * len(kv_heads)) * d,
+                                                          *shape[1:]), runs)]
+    if transform == "qkvzba":
+        groups = range(t * arch.linear_key_heads // tp, (t + 1) * arch.linear_key_heads // tp)
+        out = []
+        for name, runs, per_group in zip(names, qkvzba_rows(arch), (4, 2)):
+            mine = _local(runs, lambda i, per_group=per_group: i // per_group in groups)
+            out.append((name, (sum(n for _, _, n in mine), *shape[1:]), mine))
+        return out
+    if canonical.endswith(HEAD_SPLIT):
+        qk, vd = arch.linear_key_heads * arch.linear_key_dim, arch.linear_value_heads * arch.linear_value_dim
+        sections = (qk, qk, vd) if canonical.endswith("conv1d.weight") else (shape[0],)
+        runs, full, dst = [], 0, 0
+        for size in sections:
+            n = size // tp
+            runs.append((full + t * n, dst, n))
+            full, dst = full + size, dst + n
+        return [(names[0], (dst, *shape[1:]), runs)]
+    return None
