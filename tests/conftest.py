@@ -185,11 +185,11 @@ def selected_params(request, name: str) -> set:
 
 # Every family, plus the variants that break naive code (tied embeddings, one KV head).
 MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1", "glm4_moe",
-          "deepseek_v3", "qwen3_next"]
+          "deepseek_v3", "qwen3_next", "qwen3_5_moe"]
 # Sigmoid + expert-bias routing, shared experts, dense first layers, MTP (and MLA for DeepSeek).
 DEEPSEEK_MODELS = ["glm4_moe", "deepseek_v3"]
 # Gated DeltaNet hybrids: linear-attention layers beside gated full attention, a gated shared expert.
-HYBRID_MODELS = ["qwen3_next"]
+HYBRID_MODELS = ["qwen3_next", "qwen3_5_moe"]
 MOE_MODELS = ["qwen3_moe", "mixtral", *DEEPSEEK_MODELS, *HYBRID_MODELS]
 # Converted with 2 ranks (each rank writes half the layers); the others with one process.
 TWO_RANK_CONVERSION = {"qwen3_moe", "llama_tied", "qwen2"}

@@ -165,3 +165,15 @@ def test_linear_attention_layers_refuse_transformer_engine_and_context_parallel(
         hybrid_fields(arch, ParallelDims(world_size=32, tp=32), use_te=False)
     fields = hybrid_fields(arch, ParallelDims(world_size=1), use_te=False)
     assert fields["linear_attention_freq"][:4] == [1, 1, 1, 0] and fields["attention_output_gate"]
+
+
+def test_published_qwen35_config_reads_its_text_model():
+    from tests.published_configs import QWEN35_397B_A17B
+
+    arch = arch_from_hf_config(QWEN35_397B_A17B)
+    assert (arch.family, arch.num_layers, arch.hidden_size, arch.linear_value_heads, arch.num_experts,
+            arch.dtype, arch.mtp_layers, arch.rotary_percent) == ("qwen3_5_moe", 60, 4096, 64, 512,
+                                                                  "bfloat16", 1, 0.25)
+    assert arch.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+    with pytest.raises(ValueError, match="text_config=None"):
+        arch_from_hf_config({**QWEN35_397B_A17B, "text_config": None})

@@ -61,8 +61,15 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                        shared_expert_intermediate_size=128, norm_topk_prob=True,
                        partial_rotary_factor=0.25, router_aux_loss_coef=0.0),
 }
+# Qwen3.5-MoE: Qwen3-Next's text model (its own linear-attention projections) beside a tiny vision
+# tower, which megarl keeps aside; the text fields go into text_config.
+FAMILIES["qwen3_5_moe"] = {**FAMILIES["qwen3_next"], "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                           "model_type": "qwen3_5_moe",
+                           "vision_config": dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                                                 out_hidden_size=256, patch_size=16, spatial_merge_size=2,
+                                                 temporal_patch_size=2)}
 
-ZERO_CENTERED_NORMS = ("qwen3_next",)
+ZERO_CENTERED_NORMS = ("qwen3_next", "qwen3_5_moe")
 
 
 def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 0.08,
@@ -81,14 +88,20 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
     if family == "qwen3_moe":
         kwargs["num_local_experts"] = kwargs.pop("num_experts")  # transformers 5 name
     published = {k: kwargs.pop(k) for k in ("topk_method", "scoring_func") if k in kwargs}
+    model_class = transformers.AutoModelForCausalLM
+    if "vision_config" in kwargs:  # a vision-language checkpoint: the text model's fields nested
+        vision, tied = kwargs.pop("vision_config"), kwargs.pop("tie_word_embeddings")
+        kwargs = dict(text_config=kwargs, vision_config=vision, tie_word_embeddings=tied)
+        model_class = transformers.AutoModelForImageTextToText
     config = config_cls(**kwargs, architectures=fields["architectures"])
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model_class.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 # Qwen3-Next's RMSNorms scale by (1 + weight), except its linear attention's
-                offset = 0.0 if family in ZERO_CENTERED_NORMS and "linear_attn" not in name else 1.0
+                offset = 0.0 if family in ZERO_CENTERED_NORMS and not any(
+                    part in name for part in ("linear_attn", "visual")) else 1.0
                 param.copy_(offset + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, std)

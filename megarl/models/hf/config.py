@@ -27,12 +27,15 @@ SUPPORTED_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 # Families routed DeepSeek-style: sigmoid scores + expert bias, groups, shared experts, dense
 # first layers (megarl/models/hf/config_deepseek.py reads their fields).
 DEEPSEEK_STYLE = ("glm4_moe", "deepseek_v3")
 # Gated DeltaNet hybrids (megarl/models/hf/config_qwen3_next.py reads their fields).
-HYBRIDS = ("qwen3_next",)
+HYBRIDS = ("qwen3_next", "qwen3_5_moe")
+# Checkpoints with a vision tower beside the text model megarl trains (kept aside, not trained).
+VISION_TOWER = {"qwen3_5_moe": "model.visual."}
 
 # The model dtypes megarl runs; other modules derive their tables from this one.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -141,6 +144,8 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
         )
     architecture = architectures[0]
     family = SUPPORTED_ARCHITECTURES[architecture]
+    if family in VISION_TOWER:
+        cfg = hf_config_qwen3_next.text_model(cfg)
     _require(cfg, "hidden_act", ("silu",), "silu")
     _require(cfg, "mlp_bias", (False, None))
     _require(cfg, "use_sliding_window", (False, None))
@@ -201,7 +206,8 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
         architecture=architecture,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        ffn_hidden_size=int(cfg["intermediate_size"]),
+        # Qwen3.5-MoE has no dense MLP: no intermediate_size
+        ffn_hidden_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),

@@ -1,4 +1,5 @@
-"""The config.json fields of the Gated DeltaNet hybrids (Qwen3-Next; Qwen3.5-MoE's text model):
+"""The config.json fields of the Gated DeltaNet hybrids (Qwen3-Next; Qwen3.5-MoE's text model, whose
+config nests it in text_config beside the vision tower's vision_config):
 which layers are linear attention, the linear attention's heads and conv, the gated full
 attention, the (1 + w) RMSNorms, partial RoPE, the MoE with a gated shared expert, MTP.
 
@@ -11,6 +12,19 @@ from typing import Any, Dict, List
 from megarl.models.hf.fields import require, rope_settings, unsupported
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def text_model(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """Qwen3.5-MoE's text model as a flat config: its text_config, with the top level's
+    architectures and the fields the top level may hold for the whole model. The vision tower is
+    not trained: its tensors are kept aside and given back unchanged (models/weights/mtp.py)."""
+    if not isinstance(cfg.get("text_config"), dict):
+        raise unsupported("text_config", cfg.get("text_config"), "the text model's config (a dict)")
+    flat = dict(cfg["text_config"])
+    for field in ("architectures", "tie_word_embeddings", "dtype", "torch_dtype", "quantization_config"):
+        if field in cfg:
+            flat[field] = cfg[field]
+    return flat
 
 
 def layer_types(cfg: Dict[str, Any], layers: int) -> List[str]:

@@ -278,6 +278,12 @@ def hf_tensors(arch: ModelArch, role: str = "policy") -> Tuple[DestTensor, ...]:
             out += [DestTensor(name, (sum(n for _, _, n in runs), *shape[1:]),
                                tuple(Region(c, 0, start, n, dst) for start, dst, n in runs))
                     for name, runs in zip(entry.hf, rows)]
+        elif entry.transform == "qkv_z_b_a":
+            starts = [0]
+            for size in weight_tables.qkv_z_b_a_sizes(arch):
+                starts.append(starts[-1] + size)
+            out += [DestTensor(name, (end - start, *shape[1:]), (Region(c, 0, start, end - start, 0),))
+                    for name, start, end in zip(entry.hf, starts, starts[1:])]
         elif entry.transform == "gate_up":
             half = shape[0] // 2
             out += [DestTensor(name, (half, *shape[1:]), (Region(c, 0, i * half, half, 0),))

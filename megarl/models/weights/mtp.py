@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Optional
 
 from safetensors.torch import save_file
 
-from megarl.models.hf.config import HYBRIDS, ModelArch
+from megarl.models.hf.config import HYBRIDS, VISION_TOWER, ModelArch
 from megarl.models.hf.safetensors_reader import SafetensorsReader
 
 INDEX = "mtp.index.json"
@@ -35,10 +35,18 @@ def _hybrid(arch: ModelArch) -> bool:
     return arch.family in HYBRIDS
 
 
+def _kept_aside(arch: ModelArch) -> bool:
+    """Whether the checkpoint may hold tensors megarl keeps aside: MTP layers, a vision tower."""
+    return bool(arch.mtp_layers) or arch.family in VISION_TOWER
+
+
 def mtp_names(arch: ModelArch, names: Iterable[str]) -> List[str]:
-    """The names among `names` that belong to the checkpoint's MTP layers."""
+    """The names among `names` that belong to the checkpoint's MTP layers, and to its vision tower
+    (Qwen3.5-MoE's `model.visual.`: kept and given back unchanged the same way, not trained)."""
     if _hybrid(arch):
-        return sorted(n for n in names if arch.mtp_layers and n.startswith("mtp."))
+        tower = VISION_TOWER.get(arch.family)
+        return sorted(n for n in names if (arch.mtp_layers and n.startswith("mtp."))
+                      or (tower and n.startswith(tower)))
     first, last = arch.num_layers, arch.num_layers + arch.mtp_layers
     return sorted(n for n in names if (m := _LAYER.match(n)) and first <= int(m.group(1)) < last)
 
@@ -50,7 +58,7 @@ def source(folder: str, arch: ModelArch):
         return SafetensorsReader(folder, index=INDEX)
     # No MTP index and no HF weights (a Megatron checkpoint's hf_assets, an HF folder of config
     # and tokenizer only): the MTP weights are absent, not unreadable.
-    if not arch.mtp_layers or not any(os.path.isfile(os.path.join(folder, name)) for name in _HF_WEIGHTS):
+    if not _kept_aside(arch) or not any(os.path.isfile(os.path.join(folder, name)) for name in _HF_WEIGHTS):
         return None
     reader = SafetensorsReader(folder)
     if not mtp_names(arch, reader.names()):

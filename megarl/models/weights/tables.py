@@ -5,6 +5,7 @@ global layer ids and global expert ids (see `param_layout.py` for local -> canon
 names one Megatron tensor, the HF tensors it is made of, and the named transform between them.
 """
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Tuple
@@ -23,7 +24,7 @@ EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
 class Row:
     megatron: str
     hf: Tuple[str, ...]
-    transform: str = "copy"  # copy | qkv | gated_qkv | qkvzba | gate_up | vocab
+    transform: str = "copy"  # copy | qkv | gated_qkv | qkvzba | qkv_z_b_a | gate_up | vocab
     when: str = "always"     # always | untied | qkv_bias | qk_norm | q_lora | no_q_lora
     layers: str = "all"      # all | dense | moe | linear | full: which layers have it (DeepSeek's
     #                          first are dense; a hybrid's linear- or full-attention layers)
@@ -136,6 +137,19 @@ _GATED_SHARED_MOE_MLP = [
     *_EXPERTS,
 ]
 
+# Qwen3.5-MoE: Qwen3-Next's text model under model.language_model., its linear attention's input
+# projections stored apart ([q|k|v], z, beta, alpha: Megatron's in_proj is their concatenation).
+_QWEN35_IN_PROJ = Row(LAYER + "self_attention.in_proj.weight",
+                      tuple(_LINEAR + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), "qkv_z_b_a",
+                      layers="linear")
+
+
+def _text_model(rows: List[Row]) -> List[Row]:
+    return [dataclasses.replace(row, hf=tuple("model.language_model." + h[len("model."):]
+                                              if h.startswith("model.") else h for h in row.hf))
+            for row in rows]
+
+
 TABLES: Dict[str, List[Row]] = {
     "llama": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
     "qwen2": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
@@ -145,6 +159,8 @@ TABLES: Dict[str, List[Row]] = {
     "glm4_moe": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_DEEPSEEK_MOE_MLP, *_FINAL],
     "deepseek_v3": [_EMBED, *_MLA_ATTENTION, *_DENSE_MLP, *_DEEPSEEK_MOE_MLP, *_FINAL],
     "qwen3_next": [_EMBED, *_HYBRID_ATTENTION, *_GATED_SHARED_MOE_MLP, *_FINAL],
+    "qwen3_5_moe": _text_model([_EMBED, *[_QWEN35_IN_PROJ if row.transform == "qkvzba" else row
+                                          for row in _HYBRID_ATTENTION], *_GATED_SHARED_MOE_MLP, *_FINAL]),
 }
 
 # The critic's head has no counterpart in a causal-LM checkpoint; HF token-classification value
@@ -245,6 +261,8 @@ def to_megatron(arch: ModelArch, entry: Entry, hf: List[torch.Tensor], tp: int) 
     if entry.transform == "qkvzba":
         return wt.merge_qkvzba(*hf, arch.linear_key_heads, arch.linear_value_heads,
                                arch.linear_key_dim, arch.linear_value_dim)
+    if entry.transform == "qkv_z_b_a":
+        return torch.cat(hf, dim=0)
     if entry.transform == "gate_up":
         return wt.merge_gate_up(*hf)
     if entry.transform == "vocab":
@@ -261,6 +279,8 @@ def to_hf(arch: ModelArch, entry: Entry, tensor: torch.Tensor) -> Dict[str, torc
     elif entry.transform == "qkvzba":
         parts = wt.split_qkvzba(tensor, arch.linear_key_heads, arch.linear_value_heads,
                                 arch.linear_key_dim, arch.linear_value_dim)
+    elif entry.transform == "qkv_z_b_a":
+        parts = [t.contiguous() for t in tensor.split(qkv_z_b_a_sizes(arch), dim=0)]
     elif entry.transform == "gate_up":
         parts = wt.split_gate_up(tensor)
     elif entry.transform == "vocab":
@@ -268,6 +288,13 @@ def to_hf(arch: ModelArch, entry: Entry, tensor: torch.Tensor) -> Dict[str, torc
     else:
         parts = [tensor]
     return dict(zip(entry.hf, parts))
+
+
+def qkv_z_b_a_sizes(arch: ModelArch) -> List[int]:
+    """Rows of Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a in Megatron's in_proj."""
+    value = arch.linear_value_heads * arch.linear_value_dim
+    return [2 * arch.linear_key_heads * arch.linear_key_dim + value, value, arch.linear_value_heads,
+            arch.linear_value_heads]
 
 
 def read_entry(arch: ModelArch, entry: Entry, read_hf: Callable[[str], torch.Tensor],
