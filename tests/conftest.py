@@ -15,6 +15,7 @@ E2E = "e2e"  # vLLM, the training loop, Ray, Slurm: scripts end to end
 # Every test module's tier, by module name: a tier, or (the module's tier, {test function: its tier})
 # for a module that mixes tiers. A module missing here fails collection, so each new one gets a tier.
 TIERS = {
+    "test_activations_hybrid": UNIT,
     "test_actor_critic": DISTRIBUTED,
     # the sandbox and the tool pool start processes; the rollouts run real vLLM
     "test_agent_loop": (E2E, {name: UNIT for name in (

@@ -95,6 +95,19 @@ def vllm_tensors(arch: ModelArch, transform: str, canonical: str, names: Tuple[s
             mine = _local(runs, lambda i, per_group=per_group: i // per_group in groups)
             out.append((name, (sum(n for _, _, n in mine), *shape[1:]), mine))
         return out
+    if transform == "qkv_z_b_a":  # Qwen3.5: vLLM fuses [q|k|v|z] and [b|a], each rank its heads' parts
+        nv = arch.linear_value_heads
+        qk, vd = arch.linear_key_heads * arch.linear_key_dim, nv * arch.linear_value_dim
+        out, full = [], 0
+        for name, sections in ((names[0].replace("in_proj_qkv", "in_proj_qkvz"), (qk, qk, vd, vd)),
+                               (names[2].replace("in_proj_b", "in_proj_ba"), (nv, nv))):
+            runs, dst = [], 0
+            for size in sections:
+                n = size // tp
+                runs.append((full + t * n, dst, n))
+                full, dst = full + size, dst + n
+            out.append((name, (dst, *shape[1:]), runs))
+        return out
     if canonical.endswith(HEAD_SPLIT):
         qk, vd = arch.linear_key_heads * arch.linear_key_dim, arch.linear_value_heads * arch.linear_value_dim
         sections = (qk, qk, vd) if canonical.endswith("conv1d.weight") else (shape[0],)
