@@ -315,6 +315,9 @@ def check_rollout(arch: ModelArch, rollout: RolloutLayout, world: int) -> None:
     dense_layers = not arch.num_experts or arch.first_dense_layers
     if dense_layers and arch.ffn_hidden_size % rollout.tp:
         problems.append(f"rollout tp {rollout.tp} must divide intermediate_size {arch.ffn_hidden_size}")
+    if arch.linear_key_heads % rollout.tp:  # vLLM's Gated DeltaNet splits whole key heads
+        problems.append(f"rollout tp {rollout.tp} must divide the {arch.linear_key_heads} linear-attention "
+                        "key heads (linear_num_key_heads)")
     if arch.shared_expert_ffn % rollout.tp:
         problems.append(f"rollout tp {rollout.tp} must divide the shared experts' width "
                         f"{arch.shared_expert_ffn}")
