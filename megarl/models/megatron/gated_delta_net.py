@@ -61,8 +61,9 @@ class GatedDeltaNet(MegatronModule):
                                     tp_group=tp_group)
         self.in_proj.weight.tp_sections = sections
         conv_local = sum(conv_sections(config)) // tp
+        # None: the default device, the meta device too when build_model sizes a model without memory
         device = torch.cuda.current_device() if torch.cuda.is_available() and \
-            not config.use_cpu_initialization else "cpu"
+            not config.use_cpu_initialization else None
         self.conv1d = torch.nn.Conv1d(conv_local, conv_local, config.linear_conv_kernel_dim,
                                       groups=conv_local, bias=False, device=device,
                                       dtype=config.params_dtype)
