@@ -26,7 +26,7 @@ from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 
 ALL = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1", "glm4_moe",
-       "deepseek_v3"]
+       "deepseek_v3", "qwen3_next", "qwen3_5_moe"]
 BATCH, SEQ = 4, 32  # verify_conversion.py's defaults
 # fp32: every log-prob and every gradient tensor, as the layout tests hold the CPU path (measured
 # there: <= 5e-6). bf16 against the fp32 reference cannot be held per token or per tensor: a
@@ -39,6 +39,12 @@ BATCH, SEQ = 4, 32  # verify_conversion.py's defaults
 # loss is near log(vocab) whatever its weights.
 TOLERANCE = {"float32": {"max_abs_logprob_diff": 1e-4, "max_grad_rel_diff": 1e-4},
              "bfloat16": {"loss_rel_diff": 0.01, "mean_abs_logprob_diff": 0.06, "grad_rel_norm_diff": 0.16}}
+# The Gated DeltaNet hybrids' tiny models are far more sensitive to bf16 than the others: HF
+# transformers' own bf16 forward is 0.112 (Qwen3-Next) and 0.090 (Qwen3.5-MoE) in mean log-prob
+# from its fp32 one on the same bf16 weights (max 1.46 and 1.16; Qwen3-MoE: 0.011), and megarl's
+# bf16 path 0.110 and 0.093 (CPU, 2026-11-29). Held to about 1.5x that.
+HYBRID_BF16 = {"loss_rel_diff": 0.01, "mean_abs_logprob_diff": 0.16, "grad_rel_norm_diff": 0.5}
+HYBRIDS = ("qwen3_next", "qwen3_5_moe")
 
 
 def spread(ours: parity.ParityResult, ref: parity.ParityResult) -> dict:
@@ -61,7 +67,7 @@ def check_family(family: str, dtype: str, work: str) -> dict:
     summary, ours = parity.check_checkpoint(hf, megatron, dims, True, BATCH, SEQ)
     tokens = parity.fixed_tokens(load_arch(hf).vocab_size, BATCH, SEQ)
     summary.update(spread(ours, parity.hf_run(hf, tokens, backward=True)))
-    bounds = TOLERANCE[dtype]
+    bounds = HYBRID_BF16 if dtype == "bfloat16" and family in HYBRIDS else TOLERANCE[dtype]
     return {**summary, "tolerance": bounds,
             "within_tolerance": all(summary[key] <= bound for key, bound in bounds.items())}
 
@@ -70,7 +76,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     parser.add_argument("--work", required=True, help="scratch folder for the checkpoints")
-    parser.add_argument("--families", default=",".join(ALL), help="comma-separated; default: all nine")
+    parser.add_argument("--families", default=",".join(ALL), help="comma-separated; default: all eleven")
     args = parser.parse_args()
     families = [f for f in args.families.split(",") if f]
     dtypes = [d for d in args.dtypes.split(",") if d]

@@ -39,7 +39,7 @@ from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1", "glm4_moe",
-            "deepseek_v3"]
+            "deepseek_v3", "qwen3_next", "qwen3_5_moe"]
 MEMORY_MODELS = ("qwen3-30b-a3b", "deepseek-v3")
 # bench_train's model and batch per device and kind. cuda dense: the H200 shapes of issue 48, where
 # the update is compute-bound and the vocabulary-sized head weighs (hidden 4096, 4 layers, Qwen3's
@@ -217,7 +217,7 @@ def main():
     parser.add_argument("--budget-s", type=float,
                         help="every step within it (default: 540 on cuda, 1200 on cpu)")
     parser.add_argument("--families", default=",".join(FAMILIES),
-                        help="parity's, comma-separated (default: all nine)")
+                        help="parity's, comma-separated (default: all eleven)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="steps run at once (default 1: on a GPU each step has the device to itself; "
                              "on a CPU machine with cores to spare, 2)")

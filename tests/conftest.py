@@ -15,6 +15,7 @@ E2E = "e2e"  # vLLM, the training loop, Ray, Slurm: scripts end to end
 # Every test module's tier, by module name: a tier, or (the module's tier, {test function: its tier})
 # for a module that mixes tiers. A module missing here fails collection, so each new one gets a tier.
 TIERS = {
+    "test_activations_hybrid": UNIT,
     "test_actor_critic": DISTRIBUTED,
     # the sandbox and the tool pool start processes; the rollouts run real vLLM
     "test_agent_loop": (E2E, {name: UNIT for name in (
@@ -57,6 +58,8 @@ TIERS = {
                                          UNIT,
                                      "test_travel_size_sums_the_wheels_and_refuses_over_the_limit": UNIT}),
     "test_gpu_smoke": E2E,  # tests/gpu/: skipped without CUDA (tests/gpu/conftest.py)
+    "test_gated_delta_rule": UNIT,
+    "test_hybrid_packing": DISTRIBUTED,  # one two-rank launch
     "test_hf_config": UNIT,
     # the parity and round-trip launches (one per world size); the syncs into vLLM; the rest reads
     # files in this process
@@ -183,10 +186,12 @@ def selected_params(request, name: str) -> set:
 
 # Every family, plus the variants that break naive code (tied embeddings, one KV head).
 MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1", "glm4_moe",
-          "deepseek_v3"]
+          "deepseek_v3", "qwen3_next", "qwen3_5_moe"]
 # Sigmoid + expert-bias routing, shared experts, dense first layers, MTP (and MLA for DeepSeek).
 DEEPSEEK_MODELS = ["glm4_moe", "deepseek_v3"]
-MOE_MODELS = ["qwen3_moe", "mixtral", *DEEPSEEK_MODELS]
+# Gated DeltaNet hybrids: linear-attention layers beside gated full attention, a gated shared expert.
+HYBRID_MODELS = ["qwen3_next", "qwen3_5_moe"]
+MOE_MODELS = ["qwen3_moe", "mixtral", *DEEPSEEK_MODELS, *HYBRID_MODELS]
 # Converted with 2 ranks (each rank writes half the layers); the others with one process.
 TWO_RANK_CONVERSION = {"qwen3_moe", "llama_tied", "qwen2"}
 # Three layers: no even split over two pipeline stages, which the converter and the check scripts

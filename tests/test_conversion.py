@@ -57,7 +57,7 @@ def test_round_trip_is_bit_exact(model, hf_models, exported):
 # Both exported with 2 ranks; DeepSeek-V3's declares an MTP layer without its weights, as
 # transformers saves it (megarl/demo/tiny_checkpoint.py). vLLM loads such an export in
 # tests/test_weight_sync.py's DeepSeek cases (a fresh engine from the run's HF export).
-@pytest.mark.parametrize("model", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v3", "qwen3_next"])
 def test_exported_checkpoint_loads_in_transformers(model, hf_models, exported):
     import transformers
 
@@ -144,3 +144,33 @@ def test_verify_conversion_checks_at_the_converter_s_uneven_stages(hf_models, od
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["loss_rel_diff"] <= 1e-5, result
     assert result["max_grad_rel_diff"] <= 5e-5, result  # as tests/test_layout_parity.py holds them
+
+
+def test_qwen3_next_mtp_layer_is_kept_byte_for_byte(hf_models, tmp_path):
+    """A Qwen3-Next checkpoint as published: an MTP layer under mtp.* (fc, its norms, one decoder
+    layer) beside the model, declared by mtp_num_hidden_layers. Not trained, kept aside through
+    HF -> Megatron (two ranks) -> HF (one), and given back unchanged."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_models["qwen3_next"], hf)
+    main = load_file(str(hf / "model.safetensors"))
+    last = "model.layers.3."
+    gen = torch.Generator().manual_seed(0)
+    mtp = {"mtp.layers.0." + n[len(last):]: torch.randn(t.shape, generator=gen) for n, t in main.items()
+           if n.startswith(last)}
+    mtp.update({f"mtp.{n}": torch.randn(256, generator=gen) for n in
+                ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")})
+    mtp["mtp.fc.weight"] = torch.randn(256, 512, generator=gen)
+    save_file({**main, **mtp}, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    megatron, back = str(tmp_path / "megatron"), str(tmp_path / "back")
+    imported = last_json(run("scripts/convert.py", "hf-to-megatron", "--hf-dir", str(hf), "--out", megatron,
+                             nproc=2))
+    assert imported["notes"] == [] and imported["hf_tensors_in_checkpoint"] == len(main) + len(mtp)
+    run("scripts/convert.py", "megatron-to-hf", "--megatron-dir", megatron, "--out", back)
+    result = load_script("compare_hf_checkpoints").compare(str(hf), back)
+    assert result["bit_exact"] and result["tensors"] == len(main) + len(mtp), result

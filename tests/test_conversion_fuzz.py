@@ -17,11 +17,12 @@ import pytest
 
 from tests.launch import finish, load_script, start
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]
-# The CI default: a case per family (seed % 7 picks it), 12 in place of 5 for GLM-4.5: 3 layers
-# converted at world 2 (uneven pipeline stages), its MTP layer declared without weights; 6 stores
-# DeepSeek-V3's (test_ci_seeds_cover_mtp_states_and_uneven_stages keeps them covering).
-CI_SEEDS = [0, 1, 2, 3, 4, 12, 6]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next"]
+# The CI default: a case per family (seed % 8 picks it), 13 in place of 5 for GLM-4.5: its MTP
+# layer declared without weights; 6 stores DeepSeek-V3's; 23 converts a 3-layer Qwen3-Next at
+# world 2 (uneven pipeline stages) (test_ci_seeds_cover_mtp_states_and_uneven_stages keeps them
+# covering).
+CI_SEEDS = [0, 1, 2, 3, 4, 13, 6, 23]
 _FUZZ = os.environ.get("MEGARL_FUZZ_CASES")
 SEEDS = list(range(int(_FUZZ))) if _FUZZ else CI_SEEDS
 # make_tiny_checkpoint's MTP fields for each state a checkpoint's MTP layer can be in.
@@ -54,6 +55,8 @@ def random_config(seed: int):
         fields["num_experts_per_tok"] = rng.randint(2 if renormalized else 1, experts)
     if family in ("glm4_moe", "deepseek_v3"):
         fields.update(deepseek_style(rng, family, fields))
+    if family == "qwen3_next":
+        fields.update(hybrid(rng, fields))
     nproc = 2 if fields["num_hidden_layers"] >= 2 and rng.random() < 0.5 else 1
     return family, fields, nproc
 
@@ -86,6 +89,24 @@ def deepseek_style(rng: random.Random, family: str, fields: dict) -> dict:
                                    original_max_position_embeddings=64, mscale=1.0,
                                    mscale_all_dim=rng.choice([0.0, 1.0]))
     return out
+
+
+def hybrid(rng: random.Random, fields: dict) -> dict:
+    """Gated DeltaNet hybrid: any mix of linear and full attention layers, key heads shared by
+    one or two value heads, key and value dims apart, the conv's width, the routed experts
+    (renormalized or not) beside a gated shared expert, partial RoPE."""
+    key_heads = rng.choice([1, 2, 4])
+    experts = rng.choice([2, 4, 8])
+    renormalized = rng.random() < 0.5
+    return dict(layer_types=[rng.choice(["linear_attention", "full_attention"])
+                             for _ in range(fields["num_hidden_layers"])],
+                linear_num_key_heads=key_heads, linear_num_value_heads=key_heads * rng.choice([1, 2]),
+                linear_key_head_dim=rng.choice([16, 32, 64]), linear_value_head_dim=rng.choice([16, 32, 64]),
+                linear_conv_kernel_dim=rng.choice([2, 4]), num_experts=experts,
+                num_experts_per_tok=rng.randint(2 if renormalized else 1, experts),
+                norm_topk_prob=renormalized, moe_intermediate_size=8 * rng.randint(2, 16),
+                shared_expert_intermediate_size=8 * rng.randint(2, 16),
+                partial_rotary_factor=rng.choice([0.25, 0.5, 1.0]))
 
 
 def mtp_state(fields: dict) -> str:

@@ -117,3 +117,63 @@ def test_glm45_fields_megarl_cannot_honour_are_refused_by_name(field, value, mes
 
     with pytest.raises(ValueError, match=message):
         arch_from_hf_config({**GLM45_AIR, field: value})
+
+
+def test_published_qwen3_next_config():
+    from tests.published_configs import QWEN3_NEXT_80B_A3B
+
+    arch = arch_from_hf_config(QWEN3_NEXT_80B_A3B)
+    assert arch.family == "qwen3_next" and arch.layer_types.count("full_attention") == 12
+    assert [arch.is_linear_layer(i) for i in range(4)] == [True, True, True, False]
+    assert (arch.linear_key_heads, arch.linear_value_heads, arch.linear_key_dim, arch.linear_value_dim,
+            arch.linear_conv_kernel) == (16, 32, 128, 128, 4)
+    assert (arch.attention_output_gate, arch.zero_centered_norm, arch.shared_expert_gate, arch.qk_norm,
+            arch.rotary_percent, arch.shared_expert_ffn, arch.mtp_layers) == (True, True, True, True, 0.25,
+                                                                              512, 1)
+    assert all(arch.is_moe_layer(i) for i in range(arch.num_layers))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("layer_types", ["linear_attention", "sliding_attention"] * 24,
+     r"layer_types=\['sliding_attention'\]: megarl supports layers of types"),
+    ("layer_types", ["full_attention"] * 47, r"layer_types='47 entries': megarl supports one entry"),
+    ("linear_num_value_heads", 24, r"linear_num_value_heads=24: megarl supports a multiple of"),
+    ("mlp_only_layers", [0], r"mlp_only_layers=\[0\]"),
+    ("decoder_sparse_step", 2, r"decoder_sparse_step=2"),
+    ("shared_expert_intermediate_size", 0, r"shared_expert_intermediate_size=0"),
+    ("attention_bias", True, r"attention_bias=True"),
+    ("partial_rotary_factor", 0.3, r"partial_rotary_factor=0.3"),
+])
+def test_qwen3_next_fields_megarl_cannot_honour_are_refused_by_name(field, value, message):
+    from tests.published_configs import QWEN3_NEXT_80B_A3B
+
+    with pytest.raises(ValueError, match=message):
+        arch_from_hf_config({**QWEN3_NEXT_80B_A3B, field: value})
+
+
+def test_linear_attention_layers_refuse_transformer_engine_and_context_parallel():
+    from megarl.models.megatron.config_qwen3_next import hybrid_fields
+    from megarl.parallel_state.dims import ParallelDims
+    from tests.published_configs import QWEN3_NEXT_80B_A3B
+
+    arch = arch_from_hf_config(QWEN3_NEXT_80B_A3B)
+    with pytest.raises(ValueError, match=r"layer_types .* model.transformer_engine=false"):
+        hybrid_fields(arch, ParallelDims(world_size=1), use_te=True)
+    with pytest.raises(ValueError, match=r"context parallel cp=2 .* use cp=1"):
+        hybrid_fields(arch, ParallelDims(world_size=2, cp=2), use_te=False)
+    with pytest.raises(ValueError, match=r"linear_num_key_heads=16 must be divisible by tp\(32\)"):
+        hybrid_fields(arch, ParallelDims(world_size=32, tp=32), use_te=False)
+    fields = hybrid_fields(arch, ParallelDims(world_size=1), use_te=False)
+    assert fields["linear_attention_freq"][:4] == [1, 1, 1, 0] and fields["attention_output_gate"]
+
+
+def test_published_qwen35_config_reads_its_text_model():
+    from tests.published_configs import QWEN35_397B_A17B
+
+    arch = arch_from_hf_config(QWEN35_397B_A17B)
+    assert (arch.family, arch.num_layers, arch.hidden_size, arch.linear_value_heads, arch.num_experts,
+            arch.dtype, arch.mtp_layers, arch.rotary_percent) == ("qwen3_5_moe", 60, 4096, 64, 512,
+                                                                  "bfloat16", 1, 0.25)
+    assert arch.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+    with pytest.raises(ValueError, match="text_config=None"):
+        arch_from_hf_config({**QWEN35_397B_A17B, "text_config": None})

@@ -4,13 +4,14 @@ over max-abs). Each world size is one torchrun launch that checks all of its lay
 
 import pytest
 
-from tests.conftest import DEEPSEEK_MODELS, MODELS, MOE_MODELS, selected_params
+from tests.conftest import DEEPSEEK_MODELS, HYBRID_MODELS, MODELS, MOE_MODELS, selected_params
 from tests.launch import by_layout, run
 
 TP_OK = [m for m in MODELS if m != "qwen2_gqa1"]  # one KV head cannot be split over tp=2
 # The DeepSeek-style families at the layouts their issue names (all 2-rank, so cheap); context
 # parallelism and the 4-rank layouts stay with the other families.
-OTHERS = [m for m in MODELS if m not in DEEPSEEK_MODELS]
+# The hybrids likewise (their linear attention refuses CP).
+OTHERS = [m for m in MODELS if m not in DEEPSEEK_MODELS + HYBRID_MODELS]
 LAYOUTS = {
     # name: (world size, ParallelDims fields, models)
     "single": (1, {}, MODELS),

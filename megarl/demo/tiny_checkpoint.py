@@ -51,7 +51,25 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                         # As transformers' save_pretrained writes it, as users often start RL
                         # from it: the MTP layer declared, its weights absent (GLM-4.5's stored).
                         mtp_weights=False),
+    # Gated DeltaNet hybrid: three linear-attention layers, then gated full attention; linear
+    # key/value heads of 64 (vLLM's CPU kernels refuse 32); MoE with a gated shared expert.
+    "qwen3_next": dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+                       layer_types=["linear_attention"] * 3 + ["full_attention"],
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                       linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=128, norm_topk_prob=True,
+                       partial_rotary_factor=0.25, router_aux_loss_coef=0.0),
 }
+# Qwen3.5-MoE: Qwen3-Next's text model (its own linear-attention projections) beside a tiny vision
+# tower, which megarl keeps aside; the text fields go into text_config.
+FAMILIES["qwen3_5_moe"] = {**FAMILIES["qwen3_next"], "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                           "model_type": "qwen3_5_moe",
+                           "vision_config": dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                                                 out_hidden_size=256, patch_size=16, spatial_merge_size=2,
+                                                 temporal_patch_size=2)}
+
+ZERO_CENTERED_NORMS = ("qwen3_next", "qwen3_5_moe")
 
 
 def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 0.08,
@@ -70,13 +88,21 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
     if family == "qwen3_moe":
         kwargs["num_local_experts"] = kwargs.pop("num_experts")  # transformers 5 name
     published = {k: kwargs.pop(k) for k in ("topk_method", "scoring_func") if k in kwargs}
+    model_class = transformers.AutoModelForCausalLM
+    if "vision_config" in kwargs:  # a vision-language checkpoint: the text model's fields nested
+        vision, tied = kwargs.pop("vision_config"), kwargs.pop("tie_word_embeddings")
+        kwargs = dict(text_config=kwargs, vision_config=vision, tie_word_embeddings=tied)
+        model_class = transformers.AutoModelForImageTextToText
     config = config_cls(**kwargs, architectures=fields["architectures"])
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model_class.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                # Qwen3-Next's RMSNorms scale by (1 + weight), except its linear attention's
+                offset = 0.0 if family in ZERO_CENTERED_NORMS and not any(
+                    part in name for part in ("linear_attn", "visual")) else 1.0
+                param.copy_(offset + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, std)
         for name, buffer in model.named_buffers():

@@ -58,6 +58,7 @@ from megarl.models.hf.config import DTYPES, ModelArch
 from megarl.models.lora.adapters import LoraConfig
 from megarl.models.megatron.config import NO_RECOMPUTE, RecomputeConfig, padded_vocab_size
 from megarl.models.memory.activations import layer_elements, stage_bytes_per_token
+from megarl.models.memory.activations_hybrid import recurrent_state_bytes
 from megarl.models.memory.held_params import HeldParams, held_params
 from megarl.models.weights.destination import RolloutLayout, hf_tensors, vllm_rank_tensors
 from megarl.parallel_state.dims import ParallelDims
@@ -345,6 +346,10 @@ def summary(request: MemoryRequest, stages: List[StagePlan]) -> dict:
         "binding_stage": binding.stage,
         "knobs": advice,
         "engine_kv_cache_gb": None if kv_cache is None else round(kv_cache / GB, 3),
+        # Gated DeltaNet hybrids: each sequence's recurrent state and conv cache in an engine rank,
+        # held beside the KV cache of the full-attention layers (activations_hybrid.py)
+        "engine_linear_state_gb_per_sequence": round(recurrent_state_bytes(request.arch, request.rollout.tp)
+                                                     / GB, 6) if request.arch.layer_types else None,
         "device_gb": round(request.device_bytes / GB, 3),
         "terms_gb": {k: round(v / GB, 3) for k, v in binding.terms.items()},
         "stage_phase_peaks_gb": {s.stage: {p: round(v / GB, 3) for p, v in s.phases.items()}

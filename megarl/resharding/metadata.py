@@ -37,7 +37,8 @@ def local_pieces(chunks: List[torch.nn.Module], arch: ModelArch, rank: int, role
         tensor = merged.get(id(param)) or param.detach()
         pieces.append(Piece(rank=rank, canonical=slot.canonical, tp_rank=slot.tp_rank,
                             tp_size=slot.tp_size, tp_dim=slot.tp_dim, glu=slot.glu,
-                            shape=tuple(tensor.shape), dtype=str(tensor.dtype)))
+                            shape=tuple(tensor.shape), dtype=str(tensor.dtype),
+                            sections=slot.sections))
         tensors[(slot.canonical, slot.tp_rank)] = tensor
     return pieces, tensors
 

@@ -41,6 +41,7 @@ class Piece:
     glu: bool
     shape: Tuple[int, ...]
     dtype: str
+    sections: Tuple[int, ...] = ()  # full sizes of parts sharded apart (param_layout.ParamSlot)
 
     @property
     def numel(self) -> int:
@@ -58,6 +59,13 @@ class Piece:
         if self.tp_dim != dim:
             raise ValueError(f"{self.canonical}: a destination cuts it along dim {dim}, but "
                              f"Megatron shards it along dim {self.tp_dim}")
+        if self.sections:  # [part 0 shard; part 1 shard; ...] of [part 0; part 1; ...]
+            spans, full, local = [], 0, 0
+            for size in self.sections:
+                n = size // self.tp_size
+                spans.append((full + self.tp_rank * n, local, n))
+                full, local = full + size, local + n
+            return spans
         if self.glu:  # [gate shard; up shard] of [gate; up]
             half = n // 2
             return [(self.tp_rank * half, 0, half), (self.tp_size * half + self.tp_rank * half, half, half)]

@@ -22,6 +22,7 @@ from megarl.models.megatron.config import padded_vocab_size, transformer_config
 from megarl.models.weights import tables as weight_tables
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.plan import Piece
+from megarl.resharding.source_layout_hybrid import hybrid_sections, hybrid_shapes
 
 _NUMBERS = re.compile(r"^decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\.(\d+)\.)?")
 _DTYPE_NAMES = {str(dtype): str(dtype) for dtype in DTYPES.values()}
@@ -76,6 +77,8 @@ def _shapes(arch: ModelArch, dims: ParallelDims, role: str,
     }
     if arch.mla:
         shapes.update(_mla_shapes(arch, tp))
+    if arch.layer_types:
+        shapes.update(hybrid_shapes(arch, tp))
     return shapes
 
 
@@ -191,16 +194,19 @@ def layout_pieces(arch: ModelArch, dims: ParallelDims, dtype: Optional[str] = No
     experts_per_rank = arch.num_experts // dims.ep if arch.num_experts else 0
     # Each (pipeline rank, EP rank)'s tensors, in entries order: built once, shared by its ranks.
     held: Dict[Tuple[int, int], list] = {(p, e): [] for p in range(dims.pp) for e in range(dims.ep)}
+    parts = hybrid_sections(arch) if arch.layer_types else {}
     for t in _tensors(arch, dims, role):
         ep_ranks = range(dims.ep) if t.expert is None else (t.expert // experts_per_rank,)
+        sections = next((s for suffix, s in parts.items() if t.canonical.endswith(suffix)), ())
         for ep in ep_ranks:
-            held[(t.stage, ep)].append((t.canonical, t.expert is not None, t.tp_dim, t.glu, t.shape))
+            held[(t.stage, ep)].append((t.canonical, t.expert is not None, t.tp_dim, t.glu, t.shape,
+                                        sections))
     pieces = []
     for rank in range(dims.world_size):  # a million pieces at 1024 ranks: keep this loop lean
         at = rank_coords(dims, rank)
         dense, expert = (at.tp, dims.tp), (at.etp, dims.expert_tp)
-        for canonical, is_expert, tp_dim, glu, shape in held[(at.pp, at.ep)]:
+        for canonical, is_expert, tp_dim, glu, shape, sections in held[(at.pp, at.ep)]:
             tp_rank, tp_size = expert if is_expert else dense
             pieces.append(Piece(rank, canonical, tp_rank, tp_size, tp_dim, glu, shape,
-                                _FP32 if canonical.endswith(_FP32_SUFFIX) else dtype))
+                                _FP32 if canonical.endswith(_FP32_SUFFIX) else dtype, sections))
     return tuple(pieces)

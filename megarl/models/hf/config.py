@@ -8,11 +8,12 @@ Does not own Megatron types (see `models/megatron/config.py`) nor weight names (
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from megarl.models.hf import config_deepseek as hf_config_deepseek
+from megarl.models.hf import config_qwen3_next as hf_config_qwen3_next
 from megarl.models.hf.fields import require as _require
 from megarl.models.hf.fields import rope_settings
 from megarl.models.hf.fields import unsupported as _unsupported
@@ -25,10 +26,16 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 # Families routed DeepSeek-style: sigmoid scores + expert bias, groups, shared experts, dense
 # first layers (megarl/models/hf/config_deepseek.py reads their fields).
 DEEPSEEK_STYLE = ("glm4_moe", "deepseek_v3")
+# Gated DeltaNet hybrids (megarl/models/hf/config_qwen3_next.py reads their fields).
+HYBRIDS = ("qwen3_next", "qwen3_5_moe")
+# Checkpoints with a vision tower beside the text model megarl trains (kept aside, not trained).
+VISION_TOWER = {"qwen3_5_moe": "model.visual."}
 
 # The model dtypes megarl runs; other modules derive their tables from this one.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,10 +86,26 @@ class ModelArch:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
+    # Gated DeltaNet hybrids (models/hf/config_qwen3_next.py); the defaults describe the others.
+    layer_types: Tuple[str, ...] = ()    # per layer: linear_attention | full_attention (): all full
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_output_gate: bool = False  # full attention's output times sigmoid(a gate from q_proj)
+    zero_centered_norm: bool = False     # RMSNorms scale by (1 + weight)
+    shared_expert_gate: bool = False     # the shared expert's output times sigmoid(x . gate)
 
     @property
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    def __post_init__(self):  # read back from JSON the layer types are a list
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and layer >= self.first_dense_layers
@@ -121,6 +144,8 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
         )
     architecture = architectures[0]
     family = SUPPORTED_ARCHITECTURES[architecture]
+    if family in VISION_TOWER:
+        cfg = hf_config_qwen3_next.text_model(cfg)
     _require(cfg, "hidden_act", ("silu",), "silu")
     _require(cfg, "mlp_bias", (False, None))
     _require(cfg, "use_sliding_window", (False, None))
@@ -157,6 +182,9 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
     elif family in DEEPSEEK_STYLE:
         num_experts = int(cfg["n_routed_experts"])
         moe = hf_config_deepseek.routing(cfg, num_experts)
+    elif family in HYBRIDS:
+        num_experts = int(cfg["num_experts"])
+        moe = hf_config_qwen3_next.moe(cfg)
     if num_experts:
         moe.update(num_experts=num_experts, moe_topk=int(cfg["num_experts_per_tok"]),
                    router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))
@@ -168,6 +196,8 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
     extra = {}
     if family in DEEPSEEK_STYLE:
         extra = hf_config_deepseek.attention(cfg, family, head_dim)
+    elif family in HYBRIDS:
+        extra = hf_config_qwen3_next.hybrid(cfg, head_dim)
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     if dtype not in DTYPES:
         raise _unsupported("dtype", dtype, " or ".join(sorted(DTYPES)))
@@ -176,7 +206,8 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
         architecture=architecture,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        ffn_hidden_size=int(cfg["intermediate_size"]),
+        # Qwen3.5-MoE has no dense MLP: no intermediate_size
+        ffn_hidden_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -186,7 +217,7 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm", False)),
+        qk_norm=family in ("qwen3", "qwen3_moe", *HYBRIDS) or bool(cfg.get("use_qk_norm", False)),
         dtype=dtype,
         **moe,
         **extra,

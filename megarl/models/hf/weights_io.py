@@ -110,6 +110,6 @@ def gather_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str 
     for canonical, by_rank in shards.items():
         slot = slot_of[canonical]
         full = join_shards([by_rank[r] for r in range(slot.tp_size if slot.tp_dim is not None
-                                                      else 1)], slot.tp_dim, slot.glu)
+                                                      else 1)], slot.tp_dim, slot.glu, slot.sections)
         result.update(weight_tables.to_hf(arch, weight_tables.entry_of(arch, slot.canonical, role), full))
     return result

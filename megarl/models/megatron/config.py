@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel.layers import _grad_accum_fusion_available
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megarl.models.hf.config import ModelArch
+from megarl.models.megatron.config_qwen3_next import hybrid_fields
 from megarl.parallel_state.dims import ParallelDims
 from megarl.platform import device_choice
 
@@ -218,6 +219,7 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
         **moe,
         **recompute_fields(recompute, arch, dims, use_te),
     )
+    fields.update(hybrid_fields(arch, dims, use_te))
     config_class = TransformerConfig
     if arch.mla:
         config_class = MLATransformerConfig

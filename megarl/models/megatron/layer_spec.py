@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megarl.models.hf.config import ModelArch
+from megarl.models.megatron.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megarl.models.megatron.portable_layers import PortableCoreAttention, RMSNorm
 
 
@@ -98,20 +99,31 @@ def _portable_attention(backend, norm, arch: ModelArch) -> ModuleSpec:
     )
 
 
-def portable_layer_spec(arch: ModelArch, moe_layer: bool) -> ModuleSpec:
+def _linear_attention(backend) -> ModuleSpec:
+    """Gated DeltaNet (Qwen3-Next's linear_attention layers) in the self-attention slot, as
+    Megatron-Core's hybrid spec places it."""
+    return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=backend.column_parallel_linear(), out_proj=backend.row_parallel_linear()))
+
+
+def portable_layer_spec(arch: ModelArch, moe_layer: bool, linear: bool = False) -> ModuleSpec:
     backend = PortableSpecProvider()
     norm = backend.layer_norm(rms_norm=True)
+    keys = te_norm_keys(moe_layer, arch.mla)
+    if linear:  # TE's spec fuses the input norm into in_proj there
+        keys["input_layernorm."] = "self_attention.in_proj.layer_norm_"
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
-            self_attention=_portable_attention(backend, norm, arch),
+            self_attention=_linear_attention(backend) if linear else
+            _portable_attention(backend, norm, arch),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
             mlp=get_mlp_module_spec_for_backend(backend=backend,
                                                 num_experts=arch.num_experts if moe_layer else None),
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=te_norm_keys(moe_layer, arch.mla),
+            sharded_state_dict_keys_map=keys,
         ),
     )
 
@@ -133,9 +145,10 @@ def decoder_spec(config, arch: ModelArch, use_te: bool, vp_stage=None) -> Transf
         layer_spec, norm = _te_layer_spec, TENorm
     else:
         layer_spec, norm = portable_layer_spec, RMSNorm
-    specs = {moe: layer_spec(arch, moe) for moe in (False, True)}
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(
-        layer_specs=[specs[arch.is_moe_layer(offset + i)] for i in range(num_layers)],
-        layer_norm=norm)
+    kinds = [(arch.is_moe_layer(offset + i), arch.is_linear_layer(offset + i)) for i in range(num_layers)]
+    # linear-attention layers: the portable spec only (config_qwen3_next refuses TE for them)
+    specs = {kind: portable_layer_spec(arch, *kind) if kind[1] else layer_spec(arch, kind[0])
+             for kind in set(kinds)}
+    return TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in kinds], layer_norm=norm)

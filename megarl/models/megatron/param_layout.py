@@ -42,6 +42,9 @@ class ParamSlot:
     tp_rank: int
     tp_size: int
     glu: bool                  # SwiGLU fc1: gate and up halves are sharded separately
+    # Parts along dim 0 each sharded on its own, by their full sizes (Gated DeltaNet's in_proj
+    # [q, k, v, z, beta, alpha] and conv1d [q, k, v]: the module sets param.tp_sections).
+    sections: Tuple[int, ...] = ()
 
 
 def _canonical(chunk_model, name: str, num_local_experts: int, ep_rank: int) -> str:
@@ -142,7 +145,8 @@ def param_slots(chunks: List[torch.nn.Module]) -> List[Tuple[ParamSlot, torch.nn
             else:
                 tp_rank, tp_size = (megatron_groups.tensor().rank,
                                     megatron_groups.tensor().size)
-            tp_dim = _tp_dim(*owners[name]) if tp_size > 1 else None
+            sections = tuple(getattr(param, "tp_sections", ()))
+            tp_dim = (0 if sections else _tp_dim(*owners[name])) if tp_size > 1 else None
             canonical = _canonical(chunk, name, num_local, ep_rank)
             slots.append((ParamSlot(
                 canonical=canonical,
@@ -150,6 +154,7 @@ def param_slots(chunks: List[torch.nn.Module]) -> List[Tuple[ParamSlot, torch.nn
                 tp_rank=tp_rank, tp_size=tp_size,
                 # by the canonical name: TE's grouped experts call theirs linear_fc1.weight{i}
                 glu=config.gated_linear_unit and canonical.endswith("linear_fc1.weight"),
+                sections=sections,
             ), param))
     return slots
 
@@ -158,16 +163,23 @@ def local_shard(full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     """Cut this rank's piece out of the full tensor."""
     if slot.tp_dim is None:
         return full
+    if slot.sections:
+        return torch.cat([part.chunk(slot.tp_size, dim=0)[slot.tp_rank]
+                          for part in full.split(slot.sections, dim=0)], dim=0)
     if slot.glu:
         return torch.cat([half.chunk(slot.tp_size, dim=0)[slot.tp_rank]
                           for half in full.chunk(2, dim=0)], dim=0)
     return full.chunk(slot.tp_size, dim=slot.tp_dim)[slot.tp_rank]
 
 
-def join_shards(shards: List[torch.Tensor], tp_dim: Optional[int], glu: bool) -> torch.Tensor:
+def join_shards(shards: List[torch.Tensor], tp_dim: Optional[int], glu: bool,
+                sections: Tuple[int, ...] = ()) -> torch.Tensor:
     """Inverse of local_shard: shards of every TP rank, in rank order -> the full tensor."""
     if tp_dim is None:
         return shards[0]
+    if sections:
+        parts = [shard.split([size // len(shards) for size in sections]) for shard in shards]
+        return torch.cat([torch.cat([p[i] for p in parts]) for i in range(len(sections))])
     if glu:
         halves = [shard.chunk(2, dim=0) for shard in shards]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])

@@ -27,13 +27,19 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # Zero-centered (Qwen3-Next's): scale by (1 + weight), applied in fp32 before the cast,
+        # as its HF model does.
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        self.weight = torch.nn.Parameter((torch.zeros if self.zero_centered else torch.ones)(
+            hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x):  # [..., H]
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 

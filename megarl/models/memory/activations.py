@@ -25,6 +25,7 @@ The count, per token of this rank, in elements of the model's dtype unless noted
                    dense MLP (recompute "shared_experts": dropped). Recompute "moe": only the input.
   full recompute   a recomputed unit keeps only its input (h/tp); the one unit being recomputed
                    in the backward holds its full count meanwhile.
+  linear attention the Gated DeltaNet hybrids' (activations_hybrid.py)
 Assumed: dropout 0 (megarl's configs), even expert load (top-k copies spread evenly over the EP
 ranks: a skewed router holds more on its busiest rank).
 """
@@ -33,6 +34,7 @@ from typing import List, Tuple
 
 from megarl.models.hf.config import ModelArch
 from megarl.models.megatron.config import RecomputeConfig
+from megarl.models.memory import activations_hybrid as hybrid
 from megarl.parallel_state.dims import ParallelDims
 
 FP32 = 4
@@ -77,7 +79,9 @@ def layer_elements(arch: ModelArch, layer: int, dims: ParallelDims, dtype_bytes:
     h, tp = arch.hidden_size, dims.tp
     norms = 2 * h / tp - (2 * h / tp if "layernorm" in modules else 0)
     lse = arch.num_heads / tp * FP32 / dtype_bytes
-    attention = _attention(arch, tp, flash, modules) + lse
+    attention = _attention(arch, tp, flash, modules) + lse + hybrid.output_gate(arch, tp)
+    if arch.is_linear_layer(layer):  # Gated DeltaNet (activations_hybrid.py)
+        attention = hybrid.linear_attention(arch, tp, dtype_bytes)
     if arch.is_moe_layer(layer):
         mlp = h / tp if "moe" in modules else _moe_mlp(arch, dims, dtype_bytes, modules)
     else:

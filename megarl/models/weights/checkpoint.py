@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
 from megarl.models.megatron.param_layout import is_adapter
@@ -127,12 +127,21 @@ def drop_absent_extra_state(requested: Iterable[str], stored: Iterable[str], sou
     return requested & stored
 
 
+def _stored_keys(sh: ShardedBase) -> List[str]:
+    """The keys a sharded value is stored under: a factory's (Gated DeltaNet's in_proj and conv1d,
+    split into their parts) are those of the tensors it builds."""
+    if isinstance(sh, ShardedTensorFactory):
+        return [built.key for built in nested_values(sh.build())]
+    return [sh.key]
+
+
 def load(chunks: List[torch.nn.Module], ckpt_dir: str) -> None:
     """Collective: load the checkpoint into this rank's shards at the current layout."""
     read_model_file(ckpt_dir)
     check_files(ckpt_dir)
     request = _sharded_state_dict(chunks)
-    mine = sorted({sh.key for sh in nested_values(request) if isinstance(sh, ShardedBase)})
+    mine = sorted({key for sh in nested_values(request) if isinstance(sh, ShardedBase)
+                   for key in _stored_keys(sh)})
     # Compared over the whole world: a stored key only another pipeline stage asks for is used,
     # and every rank takes the same decision, so a refusal never leaves the others waiting.
     everyone = [None] * dist.get_world_size()
@@ -140,7 +149,7 @@ def load(chunks: List[torch.nn.Module], ckpt_dir: str) -> None:
     stored = {sh.key for sh in load_sharded_metadata(ckpt_dir).values()}
     loadable = drop_absent_extra_state(set().union(*everyone), stored, ckpt_dir)
     kept, request = extract_matching_values(
-        request, lambda sh: isinstance(sh, ShardedBase) and sh.key not in loadable)
+        request, lambda sh: isinstance(sh, ShardedBase) and not set(_stored_keys(sh)) <= loadable)
     state = dist_checkpointing.load(request, ckpt_dir)
     for i, chunk in enumerate(chunks):
         # What was left out keeps the module's own value, and strict loading still names any other

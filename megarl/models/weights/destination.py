@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megarl.models.hf.config import ModelArch
+from megarl.models.weights import destination_hybrid as hybrid
 from megarl.models.weights import tables as weight_tables
 
-ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # Megatron and vLLM split their columns
+# Megatron and vLLM split their columns (out_proj: Gated DeltaNet's)
+ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
 
@@ -116,6 +118,8 @@ def _mla_shape(arch: ModelArch, canonical: str) -> Optional[Tuple[int, ...]]:
 def full_shape(arch: ModelArch, canonical: str) -> Tuple[int, ...]:
     """Shape of one full Megatron tensor, vocabulary unpadded (regions never reach padding)."""
     if arch.mla and (shape := _mla_shape(arch, canonical)) is not None:
+        return shape
+    if arch.layer_types and (shape := hybrid.hybrid_shape(arch, canonical)) is not None:
         return shape
     h, d = arch.hidden_size, arch.head_dim
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
@@ -210,7 +214,12 @@ def vllm_rank_tensors(arch: ModelArch, rollout: RolloutLayout, p: int,
 
     for entry in weight_tables.entries(arch, role):
         c, shape = entry.megatron, full_shape(arch, entry.megatron)
-        if entry.transform == "qkv":
+        mine = arch.layer_types and hybrid.vllm_tensors(arch, entry.transform, c, entry.hf, shape, tp, t,
+                                                        q_heads, kv_heads)
+        if mine:
+            for name, local_shape, runs in mine:
+                add(name, local_shape, [Region(c, 0, start, n, dst) for start, dst, n in runs])
+        elif entry.transform == "qkv":
             d = arch.head_dim
             runs = [_runs(_qkv_rows(arch, q_heads, kv_heads, part), d) for part in "qkv"]
             offsets = [0, len(q_heads) * d, (len(q_heads) + len(kv_heads)) * d]
@@ -264,6 +273,17 @@ def hf_tensors(arch: ModelArch, role: str = "policy") -> Tuple[DestTensor, ...]:
                 rows = _qkv_rows(arch, *heads, part)
                 out.append(DestTensor(name, (len(rows) * arch.head_dim, *shape[1:]),
                                       tuple(_rows(c, _runs(rows, arch.head_dim)))))
+        elif entry.transform in ("gated_qkv", "qkvzba"):
+            rows = (hybrid.gated_qkv_rows if entry.transform == "gated_qkv" else hybrid.qkvzba_rows)(arch)
+            out += [DestTensor(name, (sum(n for _, _, n in runs), *shape[1:]),
+                               tuple(Region(c, 0, start, n, dst) for start, dst, n in runs))
+                    for name, runs in zip(entry.hf, rows)]
+        elif entry.transform == "qkv_z_b_a":
+            starts = [0]
+            for size in weight_tables.qkv_z_b_a_sizes(arch):
+                starts.append(starts[-1] + size)
+            out += [DestTensor(name, (end - start, *shape[1:]), (Region(c, 0, start, end - start, 0),))
+                    for name, start, end in zip(entry.hf, starts, starts[1:])]
         elif entry.transform == "gate_up":
             half = shape[0] // 2
             out += [DestTensor(name, (half, *shape[1:]), (Region(c, 0, i * half, half, 0),))
@@ -295,6 +315,9 @@ def check_rollout(arch: ModelArch, rollout: RolloutLayout, world: int) -> None:
     dense_layers = not arch.num_experts or arch.first_dense_layers
     if dense_layers and arch.ffn_hidden_size % rollout.tp:
         problems.append(f"rollout tp {rollout.tp} must divide intermediate_size {arch.ffn_hidden_size}")
+    if arch.linear_key_heads % rollout.tp:  # vLLM's Gated DeltaNet splits whole key heads
+        problems.append(f"rollout tp {rollout.tp} must divide the {arch.linear_key_heads} linear-attention "
+                        "key heads (linear_num_key_heads)")
     if arch.shared_expert_ffn % rollout.tp:
         problems.append(f"rollout tp {rollout.tp} must divide the shared experts' width "
                         f"{arch.shared_expert_ffn}")

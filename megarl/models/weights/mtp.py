@@ -1,7 +1,7 @@
 """The multi-token-prediction (MTP) layers DeepSeek-V3 and GLM-4.5 checkpoints store after their
-last decoder layer (`model.layers.{num_hidden_layers + i}.*`): megarl does not train them, and
-keeps them byte for byte through every conversion and export, so a trained checkpoint still
-serves speculative decoding.
+last decoder layer (`model.layers.{num_hidden_layers + i}.*`), and Qwen3-Next's under `mtp.*`:
+megarl does not train them, and keeps them byte for byte through every conversion and export,
+so a trained checkpoint still serves speculative decoding.
 
 Owns: which HF names are MTP weights, and copying them between checkpoint folders in bounded
 memory. A Megatron checkpoint keeps them under hf_assets/ as mtp-NNNNN.safetensors files with
@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Optional
 
 from safetensors.torch import save_file
 
-from megarl.models.hf.config import ModelArch
+from megarl.models.hf.config import HYBRIDS, VISION_TOWER, ModelArch
 from megarl.models.hf.safetensors_reader import SafetensorsReader
 
 INDEX = "mtp.index.json"
@@ -30,8 +30,23 @@ _FILE_BYTES = 1 << 30
 _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
+def _hybrid(arch: ModelArch) -> bool:
+    """Qwen3-Next keeps its MTP layers apart, under `mtp.` (layers, fc, norms)."""
+    return arch.family in HYBRIDS
+
+
+def _kept_aside(arch: ModelArch) -> bool:
+    """Whether the checkpoint may hold tensors megarl keeps aside: MTP layers, a vision tower."""
+    return bool(arch.mtp_layers) or arch.family in VISION_TOWER
+
+
 def mtp_names(arch: ModelArch, names: Iterable[str]) -> List[str]:
-    """The names among `names` that belong to the checkpoint's MTP layers."""
+    """The names among `names` that belong to the checkpoint's MTP layers, and to its vision tower
+    (Qwen3.5-MoE's `model.visual.`: kept and given back unchanged the same way, not trained)."""
+    if _hybrid(arch):
+        tower = VISION_TOWER.get(arch.family)
+        return sorted(n for n in names if (arch.mtp_layers and n.startswith("mtp."))
+                      or (tower and n.startswith(tower)))
     first, last = arch.num_layers, arch.num_layers + arch.mtp_layers
     return sorted(n for n in names if (m := _LAYER.match(n)) and first <= int(m.group(1)) < last)
 
@@ -43,7 +58,7 @@ def source(folder: str, arch: ModelArch):
         return SafetensorsReader(folder, index=INDEX)
     # No MTP index and no HF weights (a Megatron checkpoint's hf_assets, an HF folder of config
     # and tokenizer only): the MTP weights are absent, not unreadable.
-    if not arch.mtp_layers or not any(os.path.isfile(os.path.join(folder, name)) for name in _HF_WEIGHTS):
+    if not _kept_aside(arch) or not any(os.path.isfile(os.path.join(folder, name)) for name in _HF_WEIGHTS):
         return None
     reader = SafetensorsReader(folder)
     if not mtp_names(arch, reader.names()):
@@ -108,7 +123,10 @@ def absent_notes(arch: ModelArch, kept: int, folder: Optional[str]) -> List[str]
         return []
     first, last = arch.num_layers, arch.num_layers + arch.mtp_layers - 1
     layers = f"model.layers.{first}.*" if first == last else f"model.layers.{first}-{last}.*"
-    return [f"MTP weights absent: config.json declares num_nextn_predict_layers={arch.mtp_layers} but "
+    field = "num_nextn_predict_layers"
+    if _hybrid(arch):
+        layers, field = "mtp.*", "mtp_num_hidden_layers"
+    return [f"MTP weights absent: config.json declares {field}={arch.mtp_layers} but "
             f"{folder!r} holds no {layers} tensors (checkpoints transformers' save_pretrained "
             "writes lack them); carried as absent, config.json kept as it is (transformers and vLLM "
             f"load it); for vLLM's MTP speculative decoding add {layers} from the published checkpoint"]

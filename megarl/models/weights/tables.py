@@ -5,6 +5,7 @@ global layer ids and global expert ids (see `param_layout.py` for local -> canon
 names one Megatron tensor, the HF tensors it is made of, and the named transform between them.
 """
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Tuple
@@ -23,9 +24,10 @@ EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
 class Row:
     megatron: str
     hf: Tuple[str, ...]
-    transform: str = "copy"  # copy | qkv | gate_up | vocab
+    transform: str = "copy"  # copy | qkv | gated_qkv | qkvzba | qkv_z_b_a | gate_up | vocab
     when: str = "always"     # always | untied | qkv_bias | qk_norm | q_lora | no_q_lora
-    layers: str = "all"      # all | dense | moe: which layers have it (DeepSeek's first are dense)
+    layers: str = "all"      # all | dense | moe | linear | full: which layers have it (DeepSeek's
+    #                          first are dense; a hybrid's linear- or full-attention layers)
 
 
 _EMBED = Row("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")
@@ -102,6 +104,52 @@ _MIXTRAL_MLP = [
         ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",), layers="moe"),
 ]
 
+_LINEAR = "model.layers.{layer}.linear_attn."
+# Gated DeltaNet hybrids (Qwen3-Next): linear attention in most layers, gated full attention in
+# the others; Qwen3-MoE's routed experts with a gated shared expert beside them.
+_HYBRID_ATTENTION = [
+    Row(LAYER + "input_layernorm.weight", ("model.layers.{layer}.input_layernorm.weight",)),
+    Row(LAYER + "self_attention.in_proj.weight", (_LINEAR + "in_proj_qkvz.weight",
+                                                  _LINEAR + "in_proj_ba.weight"), "qkvzba",
+        layers="linear"),
+    Row(LAYER + "self_attention.conv1d.weight", (_LINEAR + "conv1d.weight",), layers="linear"),
+    Row(LAYER + "self_attention.dt_bias", (_LINEAR + "dt_bias",), layers="linear"),
+    Row(LAYER + "self_attention.A_log", (_LINEAR + "A_log",), layers="linear"),
+    Row(LAYER + "self_attention.out_norm.weight", (_LINEAR + "norm.weight",), layers="linear"),
+    Row(LAYER + "self_attention.out_proj.weight", (_LINEAR + "out_proj.weight",), layers="linear"),
+    Row(LAYER + "self_attention.linear_qkv.weight",
+        tuple(f"model.layers.{{layer}}.self_attn.{p}_proj.weight" for p in "qkv"), "gated_qkv",
+        layers="full"),
+    Row(LAYER + "self_attention.q_layernorm.weight", (_ATTN + "q_norm.weight",), layers="full"),
+    Row(LAYER + "self_attention.k_layernorm.weight", (_ATTN + "k_norm.weight",), layers="full"),
+    Row(LAYER + "self_attention.linear_proj.weight", (_ATTN + "o_proj.weight",), layers="full"),
+    Row(LAYER + "pre_mlp_layernorm.weight", ("model.layers.{layer}.post_attention_layernorm.weight",)),
+]
+_GATED_SHARED_MOE_MLP = [
+    _ROUTER,
+    Row(LAYER + "mlp.shared_experts.linear_fc1.weight",
+        ("model.layers.{layer}.mlp.shared_expert.gate_proj.weight",
+         "model.layers.{layer}.mlp.shared_expert.up_proj.weight"), "gate_up", layers="moe"),
+    Row(LAYER + "mlp.shared_experts.linear_fc2.weight",
+        ("model.layers.{layer}.mlp.shared_expert.down_proj.weight",), layers="moe"),
+    Row(LAYER + "mlp.shared_experts.gate_weight", ("model.layers.{layer}.mlp.shared_expert_gate.weight",),
+        layers="moe"),
+    *_EXPERTS,
+]
+
+# Qwen3.5-MoE: Qwen3-Next's text model under model.language_model., its linear attention's input
+# projections stored apart ([q|k|v], z, beta, alpha: Megatron's in_proj is their concatenation).
+_QWEN35_IN_PROJ = Row(LAYER + "self_attention.in_proj.weight",
+                      tuple(_LINEAR + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), "qkv_z_b_a",
+                      layers="linear")
+
+
+def _text_model(rows: List[Row]) -> List[Row]:
+    return [dataclasses.replace(row, hf=tuple("model.language_model." + h[len("model."):]
+                                              if h.startswith("model.") else h for h in row.hf))
+            for row in rows]
+
+
 TABLES: Dict[str, List[Row]] = {
     "llama": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
     "qwen2": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
@@ -110,6 +158,9 @@ TABLES: Dict[str, List[Row]] = {
     "mixtral": [_EMBED, *_ATTENTION, *_MIXTRAL_MLP, *_FINAL],
     "glm4_moe": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_DEEPSEEK_MOE_MLP, *_FINAL],
     "deepseek_v3": [_EMBED, *_MLA_ATTENTION, *_DENSE_MLP, *_DEEPSEEK_MOE_MLP, *_FINAL],
+    "qwen3_next": [_EMBED, *_HYBRID_ATTENTION, *_GATED_SHARED_MOE_MLP, *_FINAL],
+    "qwen3_5_moe": _text_model([_EMBED, *[_QWEN35_IN_PROJ if row.transform == "qkvzba" else row
+                                          for row in _HYBRID_ATTENTION], *_GATED_SHARED_MOE_MLP, *_FINAL]),
 }
 
 # The critic's head has no counterpart in a causal-LM checkpoint; HF token-classification value
@@ -124,6 +175,8 @@ def _applies(row: Row, arch: ModelArch) -> bool:
 
 
 def _in_layer(row: Row, arch: ModelArch, layer: int) -> bool:
+    if row.layers in ("linear", "full"):
+        return (row.layers == "linear") == arch.is_linear_layer(layer)
     return row.layers == "all" or (row.layers == "moe") == arch.is_moe_layer(layer)
 
 
@@ -203,6 +256,13 @@ def to_megatron(arch: ModelArch, entry: Entry, hf: List[torch.Tensor], tp: int) 
     """HF tensors of one entry -> the full Megatron tensor (vocabulary padded for `tp`)."""
     if entry.transform == "qkv":
         return wt.merge_qkv(*hf, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    if entry.transform == "gated_qkv":
+        return wt.merge_gated_qkv(*hf, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    if entry.transform == "qkvzba":
+        return wt.merge_qkvzba(*hf, arch.linear_key_heads, arch.linear_value_heads,
+                               arch.linear_key_dim, arch.linear_value_dim)
+    if entry.transform == "qkv_z_b_a":
+        return torch.cat(hf, dim=0)
     if entry.transform == "gate_up":
         return wt.merge_gate_up(*hf)
     if entry.transform == "vocab":
@@ -214,6 +274,13 @@ def to_hf(arch: ModelArch, entry: Entry, tensor: torch.Tensor) -> Dict[str, torc
     """Full Megatron tensor of one entry -> its HF tensors by name."""
     if entry.transform == "qkv":
         parts = wt.split_qkv(tensor, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    elif entry.transform == "gated_qkv":
+        parts = wt.split_gated_qkv(tensor, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    elif entry.transform == "qkvzba":
+        parts = wt.split_qkvzba(tensor, arch.linear_key_heads, arch.linear_value_heads,
+                                arch.linear_key_dim, arch.linear_value_dim)
+    elif entry.transform == "qkv_z_b_a":
+        parts = [t.contiguous() for t in tensor.split(qkv_z_b_a_sizes(arch), dim=0)]
     elif entry.transform == "gate_up":
         parts = wt.split_gate_up(tensor)
     elif entry.transform == "vocab":
@@ -221,6 +288,13 @@ def to_hf(arch: ModelArch, entry: Entry, tensor: torch.Tensor) -> Dict[str, torc
     else:
         parts = [tensor]
     return dict(zip(entry.hf, parts))
+
+
+def qkv_z_b_a_sizes(arch: ModelArch) -> List[int]:
+    """Rows of Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a in Megatron's in_proj."""
+    value = arch.linear_value_heads * arch.linear_value_dim
+    return [2 * arch.linear_key_heads * arch.linear_key_dim + value, value, arch.linear_value_heads,
+            arch.linear_value_heads]
 
 
 def read_entry(arch: ModelArch, entry: Entry, read_hf: Callable[[str], torch.Tensor],

@@ -127,3 +127,11 @@ def reference_mla(hf_dir: str) -> dict:
     float16, ...", found on a machine with AMX; the ones before had none)."""
     return dict(attention_backend="CPU_MLA") if arch_from_hf_config(load_hf_config(hf_dir)).mla else {}
 
+
+def hybrid_no_prefix_cache(hf_dir: str) -> dict:
+    """LLM arguments for a Gated DeltaNet hybrid (Qwen3-Next): vLLM 0.32 caches a hybrid's prefixes
+    only in its 'align' mamba cache mode, which it refuses without chunked prefill ("Chunked prefill
+    is required for mamba cache mode 'align'"), and whole_prefills turns chunked prefill off. The
+    linear attention's state then is not prefix-cached."""
+    hybrid = arch_from_hf_config(load_hf_config(hf_dir)).layer_types
+    return dict(enable_prefix_caching=False) if hybrid else {}

@@ -93,7 +93,8 @@ def _platform_kwargs(world: int, kv_cache_gib: int, hf_dir: str) -> dict:
         dist.barrier()
     vllm_cpu_fixes.per_launch_shm_names()
     vllm_cpu_fixes.eager_helpers()
-    return {**kwargs, **vllm_cpu_fixes.whole_prefills(), **vllm_cpu_fixes.reference_mla(hf_dir)}
+    return {**kwargs, **vllm_cpu_fixes.whole_prefills(), **vllm_cpu_fixes.reference_mla(hf_dir),
+            **vllm_cpu_fixes.hybrid_no_prefix_cache(hf_dir)}
 
 
 def _adapter_holder(adapters: Optional[vllm_lora.AdapterSpec], llm, writer: InPlaceWriter,
@@ -146,7 +147,8 @@ class VLLMEngine:
                 max_model_len=max_model_len, load_format=load_format,
                 enforce_eager=not device_choice.on_gpu(),
                 gpu_memory_utilization=gpu_memory_utilization,
-                enable_sleep_mode=self.sleep_mode, enable_prefix_caching=not return_routing,
+                enable_sleep_mode=self.sleep_mode,
+                enable_prefix_caching=kwargs.pop("enable_prefix_caching", True) and not return_routing,
                 **kwargs,
             )
         self._asleep = set()  # of "weights", "kv_cache": what release_memory put to sleep
