@@ -16,6 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megarl.models.hf.config import arch_from_hf_config, load_hf_config
+from megarl.models.hf.fused_experts import fuse
 from megarl.models.hf.safetensors_reader import SafetensorsReader
 from megarl.models.hf.weights_io import load_hf_weights, local_hf_tensors
 from megarl.models.megatron.builder import build_model
@@ -95,7 +96,7 @@ def megatron_to_hf(megatron_dir: str, out_dir: str) -> dict:
     filename = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
     names = []
     if megatron_groups.data().rank == 0:  # one writer per pipeline stage
-        tensors = {name: t.contiguous() for name, t in local_hf_tensors(chunks, arch)}
+        tensors = fuse({name: t.contiguous() for name, t in local_hf_tensors(chunks, arch)})
         save_file(tensors, os.path.join(partial, filename), metadata={"format": "pt"})
         names = sorted(tensors)
     all_names = [None] * world
