@@ -58,6 +58,7 @@ TIERS = {
                                      "test_travel_size_sums_the_wheels_and_refuses_over_the_limit": UNIT}),
     "test_gpu_smoke": E2E,  # tests/gpu/: skipped without CUDA (tests/gpu/conftest.py)
     "test_hf_config": UNIT,
+    "test_gpt_oss": UNIT,
     # the parity and round-trip launches (one per world size); the syncs into vLLM; the rest reads
     # files in this process
     "test_lora": (DISTRIBUTED, {"test_vllm_generates_with_the_adapters_merged_in": E2E, **{
@@ -183,10 +184,10 @@ def selected_params(request, name: str) -> set:
 
 # Every family, plus the variants that break naive code (tied embeddings, one KV head).
 MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1", "glm4_moe",
-          "deepseek_v3"]
+          "deepseek_v3", "gpt_oss"]
 # Sigmoid + expert-bias routing, shared experts, dense first layers, MTP (and MLA for DeepSeek).
 DEEPSEEK_MODELS = ["glm4_moe", "deepseek_v3"]
-MOE_MODELS = ["qwen3_moe", "mixtral", *DEEPSEEK_MODELS]
+MOE_MODELS = ["qwen3_moe", "mixtral", *DEEPSEEK_MODELS, "gpt_oss"]
 # Converted with 2 ranks (each rank writes half the layers); the others with one process.
 TWO_RANK_CONVERSION = {"qwen3_moe", "llama_tied", "qwen2"}
 # Three layers: no even split over two pipeline stages, which the converter and the check scripts

@@ -24,6 +24,8 @@ _DEEPSEEK_MOE = dict(n_routed_experts=16, n_shared_experts=1, num_experts_per_to
 VARIANTS: Dict[str, Dict[str, Any]] = {
     "llama_tied": dict(family="llama", tie_word_embeddings=True),
     "qwen2_gqa1": dict(family="qwen2", num_key_value_heads=1),
+    # gpt-oss as published: experts in MXFP4 blocks and scales (quantization_config mxfp4)
+    "gpt_oss_mxfp4": dict(family="gpt_oss", experts_mxfp4=True),
 }
 FAMILIES: Dict[str, Dict[str, Any]] = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
@@ -74,6 +76,7 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
         raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
     fields = {**BASE, **FAMILIES[family], **overrides}
     mtp_weights = fields.pop("mtp_weights", True)
+    experts_mxfp4 = fields.pop("experts_mxfp4", False)
     config_cls = transformers.CONFIG_MAPPING[fields["model_type"]]
     kwargs = {k: v for k, v in fields.items() if k not in ("architectures", "model_type")}
     if family == "qwen3_moe":
@@ -94,6 +97,8 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
     model.to(getattr(torch, dtype)).save_pretrained(out_dir, safe_serialization=True)
     if published:
         _add_to_config(out_dir, published)
+    if experts_mxfp4:
+        _experts_to_mxfp4(out_dir)
     if fields.get("num_nextn_predict_layers") and mtp_weights:
         _add_mtp_layer(out_dir, fields["num_hidden_layers"], std)
     return out_dir
@@ -105,6 +110,20 @@ def _add_to_config(out_dir: str, fields: Dict[str, Any]) -> None:
         config = json.load(f)
     with open(path, "w") as f:
         json.dump({**config, **fields}, f, indent=2)
+
+
+def _experts_to_mxfp4(out_dir: str) -> None:
+    """Store the fused experts (gpt-oss) as MXFP4 blocks and scales, as OpenAI publishes them."""
+    from safetensors.torch import load_file, save_file
+
+    from megarl.models.hf.fused_experts import MXFP4_CONFIG, quantize_mxfp4
+
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(tensors.pop(name))
+    save_file(tensors, path, metadata={"format": "pt"})
+    _add_to_config(out_dir, {"quantization_config": MXFP4_CONFIG})
 
 
 def _add_mtp_layer(out_dir: str, num_layers: int, std: float) -> None:

@@ -45,24 +45,39 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of dequantize_mxfp4 for values it produced (fp32 [..., C, R] -> blocks, scales):
-    each block's scale is the smallest power of two that puts its largest magnitude within FP4's
-    6, and each value is rounded to the nearest FP4 value. Values dequantized from MXFP4 come back
-    bit for bit when their block's scale was chosen that way (as OpenAI's quantizer does)."""
+    """fp32 [..., C, R] -> MXFP4 blocks [..., R, C/32, 16] and scales [..., R, C/32], the inverse
+    of dequantize_mxfp4. The OCP MX rule: a block's scale is 2^(floor(log2(amax)) - 2), FP4's
+    largest exponent; each value rounds to the nearest FP4 value, saturating at 6. Values
+    dequantized from MXFP4 so made come back bit for bit (their block maximum is 4 or 6 times the
+    scale)."""
     rows = weight.float().transpose(-2, -1)  # [..., R, C]
     if rows.shape[-1] % MX_BLOCK:
         raise ValueError(f"MXFP4 export needs a last dim divisible by {MX_BLOCK}, got {rows.shape[-1]}")
     blocks = rows.reshape(*rows.shape[:-1], -1, MX_BLOCK)  # [..., R, G, 32]
     amax = blocks.abs().amax(-1)
-    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.full_like(amax, -MX_BIAS))
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -MX_BIAS))
     exponent = exponent.clamp(-MX_BIAS, MX_BIAS + 1)
-    scaled = torch.ldexp(blocks, -exponent.to(torch.int32)[..., None])
+    scaled = torch.ldexp(blocks, -exponent.to(torch.int32)[..., None]).clamp(-6.0, 6.0)
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     codes = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # nearest; +0 before -0
     codes = torch.where((scaled == 0) & torch.signbit(scaled), torch.full_like(codes, 8), codes)
     pairs = codes.reshape(*codes.shape[:-1], MX_BLOCK // 2, 2)
     packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
-    return packed, (exponent + MX_BIAS).to(torch.uint8)
+    return packed.contiguous(), (exponent + MX_BIAS).to(torch.uint8).contiguous()
+
+
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def export_config(hf_config: Dict, mxfp4: bool) -> Dict:
+    """config.json of an export: unquantized (no quantization_config), or with MXFP4 experts (the
+    source's quantization_config where it was MXFP4, else gpt-oss's published one)."""
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    if mxfp4:
+        source = hf_config.get("quantization_config") or {}
+        config["quantization_config"] = source if source.get("quant_method") == "mxfp4" else dict(MXFP4_CONFIG)
+    return config
 
 
 class FusedExpertsReader:

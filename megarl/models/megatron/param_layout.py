@@ -95,6 +95,8 @@ def _parallel_mode(module: torch.nn.Module) -> Optional[str]:
 
 
 def _tp_dim(module: torch.nn.Module, param_name: str) -> Optional[int]:
+    if param_name == "softmax_offset":  # attention sinks: one per head, split with the heads
+        return 0
     mode = _parallel_mode(module)
     if mode == "column" and (param_name.startswith("weight") or param_name == "bias"):
         return 0

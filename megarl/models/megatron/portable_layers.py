@@ -39,9 +39,17 @@ class RMSNorm(torch.nn.Module):
 
 
 class ExpertRowParallelLinear(tensor_parallel.RowParallelLinear):
-    """Megatron's, for experts: the output its own tensor where the TP reduction is the identity
-    (expert TP 1 without EP): Megatron's biased experts (gpt-oss) add the weighted bias in place
-    (transformer/mlp.py), which autograd refuses on the reduction's pass-through view."""
+    """Megatron's, for experts' biases (gpt-oss). The output is its own tensor where the TP
+    reduction is the identity (expert TP 1 without EP): Megatron's biased experts add the weighted
+    bias in place (transformer/mlp.py), which autograd refuses on the reduction's pass-through
+    view. An expert's bias is not sequence-parallel: its tokens all reach its rank, so its
+    gradient is whole there; Megatron marks it sequence-parallel, and finalize_model_grads then
+    summed it with another expert's over the TP group (measured at TP2 x EP2)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.is_expert and self.bias is not None:
+            self.bias.sequence_parallel = False
 
     def forward(self, input_):
         output, bias = super().forward(input_)

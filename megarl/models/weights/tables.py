@@ -124,6 +124,8 @@ _GPT_OSS = [
 # The fused expert tensors of gpt-oss checkpoints (models/hf/fused_experts.FusedExpertsReader).
 FUSED_EXPERTS = {"gpt_oss": ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
                              "mlp.experts.down_proj", "mlp.experts.down_proj_bias")}
+# Those an export may write as MXFP4 blocks and scales (scripts/convert.py --experts mxfp4).
+MXFP4_EXPERTS = {"gpt_oss": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
 
 TABLES: Dict[str, List[Row]] = {
     "llama": [_EMBED, *_ATTENTION, *_DENSE_MLP, *_FINAL],
