@@ -122,7 +122,8 @@ def test_published_gpt_oss_120b_config():
     assert (arch.family, arch.num_layers, arch.num_experts, arch.moe_topk, arch.head_dim) == \
         ("gpt_oss", 36, 128, 4, 64)
     assert arch.attention_sinks and arch.linear_bias and arch.experts_mxfp4
-    assert (arch.sliding_window, arch.window_layers[:3], sum(arch.window_layers)) == (128, (True, False, True), 18)
+    assert (arch.sliding_window, arch.window_layers[:3], sum(arch.window_layers)) == \
+        (128, (True, False, True), 18)
     assert (arch.yarn_factor, arch.yarn_original_max_positions, arch.yarn_truncate) == (32.0, 4096, False)
     assert (arch.swiglu_alpha, arch.swiglu_limit) == (1.702, 7.0)
 

@@ -76,7 +76,8 @@ def export_config(hf_config: Dict, mxfp4: bool) -> Dict:
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     if mxfp4:
         source = hf_config.get("quantization_config") or {}
-        config["quantization_config"] = source if source.get("quant_method") == "mxfp4" else dict(MXFP4_CONFIG)
+        published = source.get("quant_method") == "mxfp4"
+        config["quantization_config"] = source if published else dict(MXFP4_CONFIG)
     return config
 
 
