@@ -144,3 +144,20 @@ def test_verify_conversion_checks_at_the_converter_s_uneven_stages(hf_models, od
     assert result["max_abs_logprob_diff"] <= 1e-4, result
     assert result["loss_rel_diff"] <= 1e-5, result
     assert result["max_grad_rel_diff"] <= 5e-5, result  # as tests/test_layout_parity.py holds them
+
+
+def test_gpt_oss_mxfp4_experts_round_trip_bit_exact(tmp_path):
+    """gpt-oss as published (experts as MXFP4 blocks and scales): dequantized on load and written
+    back as MXFP4 by megatron-to-hf --experts mxfp4, bit for bit, config.json equal; the refusal
+    of --experts mxfp4 for a family without MXFP4 experts is tests/test_gpt_oss.py's."""
+    from megarl.demo.tiny_checkpoint import make_named
+
+    hf = make_named("gpt_oss_mxfp4", str(tmp_path / "hf"))
+    megatron, back = str(tmp_path / "megatron"), str(tmp_path / "back")
+    run("scripts/convert.py", "hf-to-megatron", "--hf-dir", hf, "--out", megatron)
+    run("scripts/convert.py", "megatron-to-hf", "--megatron-dir", megatron, "--out", back,
+        "--experts", "mxfp4")
+    result = load_script("compare_hf_checkpoints").compare(hf, back)
+    assert result["bit_exact"] and result["tensors"] == 79, result  # 4 layers x 2 x (blocks, scales)
+    with open(os.path.join(hf, "config.json")) as a, open(os.path.join(back, "config.json")) as b:
+        assert json.load(a) == json.load(b)

@@ -136,6 +136,7 @@ def test_published_gpt_oss_120b_config():
                                                               r"'default' or 'yarn'"),
     ("swiglu_alpha", 1.5, r"swiglu_alpha=1.5: megarl supports 1.702"),
     ("attention_bias", False, r"attention_bias=False: megarl supports True"),
+    ("rms_norm_eps", 1e-6, r"rms_norm_eps=1e-06: megarl supports 1e-05"),
 ])
 def test_gpt_oss_fields_megarl_cannot_honour_are_refused_by_name(field, value, message):
     from tests.published_configs import GPT_OSS_120B
@@ -154,3 +155,16 @@ def test_biased_experts_need_expert_tensor_parallel_1():
         transformer_config(arch, ParallelDims(world_size=4, tp=2, ep=2))
     with pytest.raises(ValueError, match=r"etp=1 with tp=2 and ep=1 gives wrong expert gradients"):
         transformer_config(arch, ParallelDims(world_size=2, tp=2, etp=1))
+
+
+def test_mxfp4_export_is_refused_for_a_family_without_mxfp4_experts(tmp_path):
+    import json
+
+    from megarl.models.weights import checkpoint, convert
+    from tests.published_configs import QWEN3_30B_A3B
+
+    with open(tmp_path / checkpoint.MODEL_FILE, "w") as f:
+        json.dump({"hf_config": QWEN3_30B_A3B}, f)
+    with pytest.raises(ValueError, match=r"--experts mxfp4: qwen3_moe exports its experts as one of "
+                                         r"\['unquantized'\]"):
+        convert.megatron_to_hf(str(tmp_path), str(tmp_path / "out"), experts="mxfp4")

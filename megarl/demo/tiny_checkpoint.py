@@ -59,6 +59,7 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
     "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
                     num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
                     sliding_window=16, swiglu_limit=2.0, router_aux_loss_coef=0.0,
+                    rms_norm_eps=1e-5,  # vLLM's gpt-oss hard-codes it
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
                                          original_max_position_embeddings=64, beta_fast=32.0,
                                          beta_slow=1.0, truncate=False)),
