@@ -137,6 +137,7 @@ def test_published_gpt_oss_120b_config():
     ("swiglu_alpha", 1.5, r"swiglu_alpha=1.5: megarl supports 1.702"),
     ("attention_bias", False, r"attention_bias=False: megarl supports True"),
     ("rms_norm_eps", 1e-6, r"rms_norm_eps=1e-06: megarl supports 1e-05"),
+    ("swiglu_limit", 2.0, r"swiglu_limit=2.0: megarl supports 7.0"),
 ])
 def test_gpt_oss_fields_megarl_cannot_honour_are_refused_by_name(field, value, message):
     from tests.published_configs import GPT_OSS_120B

@@ -34,6 +34,12 @@ CASES = {
     "ep2_into_two_independent_engines": (2, "glm4_moe", ["--ep", "2", "--rollout-tp", "1"]),
     "tp2_ep2_etp1_small_buckets": (2, "qwen3_moe", ["--tp", "2", "--ep", "2", "--etp", "1",
                                                     "--rollout-tp", "2", "--bucket-mb", "0.25"]),
+    # gpt-oss: sinks (split with the heads), biased attention, router and experts (vLLM interleaves
+    # gate and up rows and keeps the down bias on its first TP rank), sliding windows; R3 replays
+    # the engine's routing
+    "single_gpt_oss": (1, "gpt_oss", []),
+    "tp2_ep2_etp1_into_rollout_tp2_gpt_oss": (2, "gpt_oss", ["--tp", "2", "--ep", "2", "--etp", "1",
+                                                             "--rollout-tp", "2", "--routing"]),
     "tp2_pp2_into_rollout_tp1": (4, "qwen3", ["--tp", "2", "--pp", "2", "--rollout-tp", "1"]),
     "tp2_pp2_into_rollout_tp2": (4, "llama", ["--tp", "2", "--pp", "2", "--rollout-tp", "2", LOADER]),
 }

@@ -54,11 +54,10 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                         # from it: the MTP layer declared, its weights absent (GLM-4.5's stored).
                         mtp_weights=False),
     # Sinks in every layer, a 16-token window on the even layers (sequences of the tests are
-    # longer), YaRN without truncation as gpt-oss publishes it, and a SwiGLU clamp the tiny
-    # weights reach.
+    # longer), YaRN without truncation as gpt-oss publishes it.
     "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
                     num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
-                    sliding_window=16, swiglu_limit=2.0, router_aux_loss_coef=0.0,
+                    sliding_window=16, router_aux_loss_coef=0.0,
                     rms_norm_eps=1e-5,  # vLLM's gpt-oss hard-codes it
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
                                          original_max_position_embeddings=64, beta_fast=32.0,
