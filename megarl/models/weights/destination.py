@@ -282,7 +282,8 @@ def vllm_rank_tensors(arch: ModelArch, rollout: RolloutLayout, p: int,
         elif entry.transform == "vocab":
             start = t * vocab_rows
             n = max(0, min(arch.vocab_size - start, vocab_rows))
-            add(_vllm_name(entry, arch.family), (vocab_rows, shape[1]), [Region(c, 0, start, n, 0)] if n else [])
+            add(_vllm_name(entry, arch.family), (vocab_rows, shape[1]),
+                [Region(c, 0, start, n, 0)] if n else [])
         elif c.endswith(ROW_PARALLEL):
             cols = shape[1] // tp
             add(_vllm_name(entry, arch.family), (shape[0], cols), [Region(c, 1, t * cols, cols, 0)])
