@@ -164,12 +164,6 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
     if arch.shared_expert_ffn % dims.tp:
         raise ValueError(f"the shared experts' width n_shared_experts * moe_intermediate_size = "
                          f"{arch.shared_expert_ffn} must be divisible by tp({dims.tp})")
-    if arch.num_experts and dims.ep == 1 and dims.expert_tp != dims.tp:
-        # Megatron-Core reduces experts' gradients over the dense data-parallel group when ep=1,
-        # which then misses the TP ranks that hold other tokens (measured: Qwen3-MoE's expert
-        # gradients off by 100% at tp=2, etp=1, ep=1).
-        raise ValueError(f"etp={dims.expert_tp} with tp={dims.tp} and ep=1 gives wrong expert "
-                         f"gradients in Megatron-Core: use etp=tp, or spread experts with ep > 1")
     if arch.linear_bias and arch.num_experts and dims.expert_tp != 1:
         raise ValueError(f"{arch.family}'s experts carry biases, which Megatron-Core shards only at "
                          f"expert tensor parallel 1 (etp={dims.expert_tp}): set etp=1 (experts whole on "
