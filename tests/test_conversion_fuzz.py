@@ -17,11 +17,12 @@ import pytest
 
 from tests.launch import finish, load_script, start
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]
-# The CI default: a case per family (seed % 7 picks it), 12 in place of 5 for GLM-4.5: 3 layers
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"]
+# The CI default: a case per family (seed % 8 picks it), 181 in place of 5 for GLM-4.5: 3 layers
 # converted at world 2 (uneven pipeline stages), its MTP layer declared without weights; 6 stores
-# DeepSeek-V3's (test_ci_seeds_cover_mtp_states_and_uneven_stages keeps them covering).
-CI_SEEDS = [0, 1, 2, 3, 4, 12, 6]
+# DeepSeek-V3's (test_ci_seeds_cover_mtp_states_and_uneven_stages keeps them covering); 167 is
+# gpt-oss with 3 layers, full and sliding, at world 2.
+CI_SEEDS = [0, 1, 2, 3, 4, 181, 6, 167]
 _FUZZ = os.environ.get("MEGARL_FUZZ_CASES")
 SEEDS = list(range(int(_FUZZ))) if _FUZZ else CI_SEEDS
 # make_tiny_checkpoint's MTP fields for each state a checkpoint's MTP layer can be in.
@@ -54,6 +55,8 @@ def random_config(seed: int):
         fields["num_experts_per_tok"] = rng.randint(2 if renormalized else 1, experts)
     if family in ("glm4_moe", "deepseek_v3"):
         fields.update(deepseek_style(rng, family, fields))
+    if family == "gpt_oss":
+        fields.update(gpt_oss_style(rng, fields))
     nproc = 2 if fields["num_hidden_layers"] >= 2 and rng.random() < 0.5 else 1
     return family, fields, nproc
 
@@ -85,6 +88,19 @@ def deepseek_style(rng: random.Random, family: str, fields: dict) -> dict:
         out["rope_scaling"] = dict(type="yarn", factor=rng.choice([2.0, 4.0]),
                                    original_max_position_embeddings=64, mscale=1.0,
                                    mscale_all_dim=rng.choice([0.0, 1.0]))
+    return out
+
+
+def gpt_oss_style(rng: random.Random, fields: dict) -> dict:
+    """Fused biased experts and top-k, sliding and full layers in any order and window, YaRN or
+    plain RoPE (vLLM's own constants, rms_norm_eps and swiglu_limit, as the family requires)."""
+    experts = rng.choice([2, 4, 8])
+    out = dict(num_local_experts=experts, num_experts_per_tok=rng.randint(2, experts),
+               sliding_window=rng.choice([4, 16]), rms_norm_eps=1e-5,
+               layer_types=[rng.choice(["sliding_attention", "full_attention"])
+                            for _ in range(fields["num_hidden_layers"])])
+    if rng.random() < 0.5:
+        out["rope_parameters"] = dict(rope_type="default", rope_theta=150000.0)
     return out
 
 

@@ -30,12 +30,20 @@ from megarl.planning.typed_config import load
 from megarl.platform import device_choice
 from megarl.rollout.vllm import engine as vllm_engine
 from megarl.rollout.vllm.engine import rollout_groups
-from tests.published_configs import DEEPSEEK_V3, GLM45_AIR, MIXTRAL_8X7B, QWEN3_30B_A3B, QWEN3_235B_A22B
+from tests.published_configs import (
+    DEEPSEEK_V3,
+    GLM45_AIR,
+    GPT_OSS_120B,
+    MIXTRAL_8X7B,
+    QWEN3_30B_A3B,
+    QWEN3_235B_A22B,
+)
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 PRESETS = {"qwen3_30b_a3b_gpu.yaml": QWEN3_30B_A3B, "qwen3_30b_a3b_1node_gpu.yaml": QWEN3_30B_A3B,
            "qwen3_235b_a22b_gpu.yaml": QWEN3_235B_A22B, "mixtral_8x7b_gpu.yaml": MIXTRAL_8X7B,
-           "glm45_air_gpu.yaml": GLM45_AIR, "deepseek_v3_gpu.yaml": DEEPSEEK_V3}
+           "glm45_air_gpu.yaml": GLM45_AIR, "deepseek_v3_gpu.yaml": DEEPSEEK_V3,
+           "gpt_oss_120b_gpu.yaml": GPT_OSS_120B}
 ONE_NODE = {"qwen3_30b_a3b_1node_gpu.yaml"}  # the presets for a single node of 8 GPUs
 GPUS_PER_NODE = 8  # the hardware the presets' headers name: nodes of 8 H100
 NODE_BYTES = GPUS_PER_NODE * 80e9
