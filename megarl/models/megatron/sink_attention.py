@@ -16,17 +16,20 @@ from megarl.parallel_state import megatron_groups
 
 
 def sink_softmax_attention(q, k, v, allowed, sinks, scale: float, dropout: float = 0.0):
-    """q [B, n, sq, d], k/v [B, n, sk, d], allowed [sq, sk] bool, sinks [n] -> [B, n, sq, dv].
-    softmax over [scores, sink] with the sink's share dropped: a head may attend to nothing."""
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
-    if dropout:
-        probs = torch.nn.functional.dropout(probs, p=dropout)
-    return torch.matmul(probs.to(v.dtype), v)
+    """q [B, n, sq, d], k/v [B, n, sk, d], allowed [sq, sk] bool, sinks [n] -> [B, n, sq, dv]:
+    softmax over [scores, sink] with the sink's share dropped (a head may attend to nothing).
+    Through scaled_dot_product_attention, so memory stays that of its kernels (no [sq, sk] scores
+    per head): one more key whose score is the sink (q gains a 1, the keys a 0, the sink key
+    sink / scale in that dim) and whose value is zero."""
+    b, n, sq, d = q.shape
+    q = torch.cat([q, q.new_ones(b, n, sq, 1)], dim=-1)
+    sink_key = torch.cat([k.new_zeros(b, n, 1, d),
+                          (sinks.to(k.dtype) / scale).reshape(1, n, 1, 1).expand(b, n, 1, 1)], dim=-1)
+    k = torch.cat([torch.cat([k, k.new_zeros(*k.shape[:-1], 1)], dim=-1), sink_key], dim=-2)
+    v = torch.cat([v, v.new_zeros(b, n, 1, v.shape[-1])], dim=-2)
+    allowed = torch.cat([allowed, allowed.new_ones(sq, 1)], dim=-1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                            dropout_p=dropout, scale=scale)
 
 
 class SinkWindowCoreAttention(PortableCoreAttention):
