@@ -18,7 +18,8 @@ WORLDS = {
     2: {
         "tp2": ({"tp": 2}, ["qwen3", "qwen2", "llama_tied", "qwen3_moe"]),
         "ep2": ({"ep": 2}, MOE),
-        "tp2_ep2_etp1": ({"tp": 2, "ep": 2, "etp": 1}, ["qwen3_moe", "deepseek_v3", "glm4_moe"]),
+        # gpt-oss: sinks split over TP by heads, biases of attention, router and experts
+        "tp2_ep2_etp1": ({"tp": 2, "ep": 2, "etp": 1}, ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]),
         "pp2_vpp2": ({"pp": 2, "vpp": 2}, ["llama_tied", "qwen3_moe"]),
         "cp2": ({"cp": 2}, ["qwen3"]),
         # MLA, the expert bias (fp32), shared experts, a dense first layer on stage 0
