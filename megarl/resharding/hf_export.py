@@ -78,7 +78,10 @@ class HFDirectoryWriter:
         """Experts a checkpoint fuses (gpt-oss: NAME[e], planned in Megatron's orientation, as
         regions copy rows and cannot transpose) -> the checkpoint's fused tensors. A bucket holds
         whole modules, so all experts of a layer close together."""
-        sliced = {h: entry for entry in weight_tables.entries(self.arch) for h in entry.hf if "[" in h}
+        if not any("[" in name for name in tensors):
+            return tensors
+        sliced = {h: entry for entry in weight_tables.entries(self.arch) for h in entry.hf
+                  if "[" in h and h in tensors}
         out = {}
         for name, tensor in tensors.items():
             out.update(weight_tables.to_hf(self.arch, sliced[name], tensor) if name in sliced
