@@ -194,6 +194,8 @@ TWO_RANK_CONVERSION = {"qwen3_moe", "llama_tied", "qwen2"}
 # give 1 and 2 (ParallelDims.fit_stages). In hf_models beside MODELS; megatron_models leaves them
 # out (tests/test_conversion.py converts the DeepSeek one with scripts/convert.py).
 ODD_LAYER_MODELS = {"deepseek_v3_3layers": "deepseek_v3", "llama_tied_3layers": "llama_tied"}
+# In hf_models only (tests/test_weight_sync.py): gpt-oss as published, its experts in MXFP4.
+HF_ONLY_MODELS = ["gpt_oss_mxfp4"]
 
 
 @pytest.fixture(scope="session")
@@ -201,7 +203,7 @@ def hf_models(tmp_path_factory):
     from megarl.demo.tiny_checkpoint import make_named
 
     root = tmp_path_factory.mktemp("hf")
-    return {**{name: make_named(name, str(root / name)) for name in MODELS},
+    return {**{name: make_named(name, str(root / name)) for name in [*MODELS, *HF_ONLY_MODELS]},
             **{name: make_named(model, str(root / name), num_hidden_layers=3)
                for name, model in ODD_LAYER_MODELS.items()}}
 

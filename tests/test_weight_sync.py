@@ -38,6 +38,9 @@ CASES = {
     # gate and up rows and keeps the down bias on its first TP rank), sliding windows; R3 replays
     # the engine's routing
     "single_gpt_oss": (1, "gpt_oss", []),
+    # its experts published in MXFP4: dequantized into the actor, the engine built unquantized
+    # (rollout/vllm/unquantized.py)
+    "single_gpt_oss_mxfp4": (1, "gpt_oss_mxfp4", []),
     "tp2_ep2_etp1_into_rollout_tp2_gpt_oss": (2, "gpt_oss", ["--tp", "2", "--ep", "2", "--etp", "1",
                                                              "--rollout-tp", "2", "--routing"]),
     "tp2_pp2_into_rollout_tp1": (4, "qwen3", ["--tp", "2", "--pp", "2", "--rollout-tp", "1"]),
