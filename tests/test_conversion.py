@@ -57,7 +57,7 @@ def test_round_trip_is_bit_exact(model, hf_models, exported):
 # Both exported with 2 ranks; DeepSeek-V3's declares an MTP layer without its weights, as
 # transformers saves it (megarl/demo/tiny_checkpoint.py). vLLM loads such an export in
 # tests/test_weight_sync.py's DeepSeek cases (a fresh engine from the run's HF export).
-@pytest.mark.parametrize("model", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v3", "gpt_oss"])  # gpt-oss: its fused experts
 def test_exported_checkpoint_loads_in_transformers(model, hf_models, exported):
     import transformers
 
