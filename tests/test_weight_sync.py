@@ -252,3 +252,24 @@ def test_a_push_without_routing_is_refused(hf_models):
                check=False)
     assert proc.returncode == 2 and "--push-after-steps 3: give a number of engine steps >= 1 together " \
                                    "with --routing" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_tiny_gpt_oss_checkpoint_loads_in_vllm_as_transformers_computes_it(hf_models):
+    """scripts/make_tiny_model.py --model gpt_oss's checkpoint, read by vLLM's own loader (no
+    sync): the log-probs of what it samples, prompts and responses longer than the 16-token window,
+    equal transformers' within 1e-4 (sinks, windows, biased experts, YaRN as both compute them)."""
+    import torch
+    import transformers
+
+    samples = last_json(run("tests/workers/fresh_engine.py", "--hf-dir", hf_models["gpt_oss"],
+                            "--max-new-tokens", "24", timeout=600))["samples"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_models["gpt_oss"], dtype=torch.float32)
+    worst = 0.0
+    for record in samples:
+        prompt, response = record["prompt_ids"], record["response_ids"]
+        assert len(prompt) + len(response) > 16
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0].log_softmax(-1)
+        ours = logits[len(prompt) - 1:-1].gather(-1, torch.tensor(response)[:, None])[:, 0]
+        worst = max(worst, float((ours - torch.tensor(record["logprobs"])).abs().max()))
+    assert worst <= 1e-4, worst
