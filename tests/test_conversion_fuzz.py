@@ -96,7 +96,7 @@ def gpt_oss_style(rng: random.Random, fields: dict) -> dict:
     plain RoPE (vLLM's own constants, rms_norm_eps and swiglu_limit, as the family requires)."""
     experts = rng.choice([2, 4, 8])
     out = dict(num_local_experts=experts, num_experts_per_tok=rng.randint(2, experts),
-               sliding_window=rng.choice([4, 16]), rms_norm_eps=1e-5,
+               sliding_window=rng.choice([4, 16]), rms_norm_eps=1e-5, tie_word_embeddings=False,
                layer_types=[rng.choice(["sliding_attention", "full_attention"])
                             for _ in range(fields["num_hidden_layers"])])
     if rng.random() < 0.5:

@@ -138,6 +138,7 @@ def test_published_gpt_oss_120b_config():
     ("attention_bias", False, r"attention_bias=False: megarl supports True"),
     ("rms_norm_eps", 1e-6, r"rms_norm_eps=1e-06: megarl supports 1e-05"),
     ("swiglu_limit", 2.0, r"swiglu_limit=2.0: megarl supports 7.0"),
+    ("tie_word_embeddings", True, r"tie_word_embeddings=True: megarl supports False"),
 ])
 def test_gpt_oss_fields_megarl_cannot_honour_are_refused_by_name(field, value, message):
     from tests.published_configs import GPT_OSS_120B
@@ -167,3 +168,15 @@ def test_mxfp4_export_is_refused_for_a_family_without_mxfp4_experts(tmp_path):
     with pytest.raises(ValueError, match=r"--experts mxfp4: qwen3_moe exports its experts as one of "
                                          r"\['unquantized'\]"):
         convert.megatron_to_hf(str(tmp_path), str(tmp_path / "out"), experts="mxfp4")
+
+
+def test_rollout_tp_must_divide_gpt_oss_kv_heads():
+    """vLLM's gpt-oss splits KV heads by its TP and never replicates them (its attention then
+    fails with a division by zero): refused at planning time."""
+    from megarl.models.weights.destination import RolloutLayout, check_rollout
+    from tests.published_configs import GPT_OSS_120B
+
+    arch = arch_from_hf_config(GPT_OSS_120B)  # 8 KV heads
+    check_rollout(arch, RolloutLayout(tp=8), world=8)
+    with pytest.raises(ValueError, match=r"rollout tp 16 must divide the 8 KV heads: vLLM's gpt-oss"):
+        check_rollout(arch, RolloutLayout(tp=16), world=16)

@@ -44,8 +44,10 @@ def attention(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """Sinks in every layer; sliding-window or full attention per layer_types; YaRN or plain RoPE."""
     layers = int(cfg["num_hidden_layers"])
     require(cfg, "attention_bias", (True,), True)
-    # vLLM's gpt-oss builds its norms with eps 1e-5 whatever config.json says.
+    # vLLM's gpt-oss builds its norms with eps 1e-5 whatever config.json says, and an LM head of
+    # its own (measured: a tied tiny model's sync left vLLM's lm_head.weight unwritten).
     require(cfg, "rms_norm_eps", (1e-5,), 1e-5)
+    require(cfg, "tie_word_embeddings", (False,), False)
     kinds = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                        for i in range(layers)]
     unknown = sorted({kind for kind in kinds if kind not in LAYER_TYPES})

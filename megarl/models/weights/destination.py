@@ -331,6 +331,9 @@ def check_rollout(arch: ModelArch, rollout: RolloutLayout, world: int) -> None:
     if arch.num_kv_heads % rollout.tp and rollout.tp % arch.num_kv_heads:
         problems.append(f"rollout tp {rollout.tp} must divide the {arch.num_kv_heads} KV heads or "
                         "be a multiple of them (vLLM then replicates each KV head)")
+    elif arch.num_kv_heads % rollout.tp and arch.family == "gpt_oss":
+        problems.append(f"rollout tp {rollout.tp} must divide the {arch.num_kv_heads} KV heads: "
+                        "vLLM's gpt-oss does not replicate KV heads")
     dense_layers = not arch.num_experts or arch.first_dense_layers
     if dense_layers and arch.ffn_hidden_size % rollout.tp:
         problems.append(f"rollout tp {rollout.tp} must divide intermediate_size {arch.ffn_hidden_size}")
