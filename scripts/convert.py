@@ -1,7 +1,7 @@
 """Convert a checkpoint between HF and megarl's Megatron format; the first argument is the direction.
 
   python scripts/convert.py hf-to-megatron --hf-dir IN --out OUT
-  python scripts/convert.py megatron-to-hf --megatron-dir IN --out OUT
+  python scripts/convert.py megatron-to-hf --megatron-dir IN --out OUT [--experts mxfp4]
   torchrun --nproc-per-node N scripts/convert.py DIRECTION ...
 
 hf-to-megatron  an HF checkpoint (safetensors + config.json) into a Megatron distributed
@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                     "config.json, the tokenizer files) that transformers and vLLM load.")
     to_hf.add_argument("--megatron-dir", required=True, help="megarl Megatron checkpoint")
     to_hf.add_argument("--out", required=True, help="new directory for the HF checkpoint")
+    to_hf.add_argument("--experts", choices=("unquantized", "mxfp4"), default="unquantized",
+                       help="routed experts in the model's dtype (default), or as MXFP4 blocks and "
+                            "scales as gpt-oss is published (gpt-oss only)")
     return parser
 
 
@@ -55,7 +58,7 @@ def main():
     if args.direction == "hf-to-megatron":
         result = convert.hf_to_megatron(args.hf_dir, args.out)
     else:
-        result = convert.megatron_to_hf(args.megatron_dir, args.out)
+        result = convert.megatron_to_hf(args.megatron_dir, args.out, args.experts)
     if megatron_groups.is_rank0():
         print(json.dumps(result))
     megatron_groups.destroy()

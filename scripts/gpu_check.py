@@ -39,7 +39,7 @@ from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1", "glm4_moe",
-            "deepseek_v3", "qwen3_next", "qwen3_5_moe"]
+            "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_moe"]
 MEMORY_MODELS = ("qwen3-30b-a3b", "deepseek-v3")
 # bench_train's model and batch per device and kind. cuda dense: the H200 shapes of issue 48, where
 # the update is compute-bound and the vocabulary-sized head weighs (hidden 4096, 4 layers, Qwen3's

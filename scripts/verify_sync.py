@@ -175,7 +175,8 @@ def main():
         result["routing"] = verify.routing_replay_report(chunks, arch, samples)
         # what the engine's MoE gates compute in (fp32 unless --no-router-fp32)
         result["routing"]["engine_gate_dtypes"] = sorted(
-            {str(t.dtype) for name, t in engine.live_weights().items() if name.endswith(".gate.weight")})
+            {str(t.dtype) for name, t in engine.live_weights().items()
+             if name.endswith((".gate.weight", ".mlp.router.weight"))})  # gpt-oss: mlp.router
     if args.push_after_steps:
         result["across_push"] = _across_push(chunks, arch, engine, mine, sampling, args)
     if args.export:

@@ -61,6 +61,7 @@ TIERS = {
     "test_gated_delta_rule": UNIT,
     "test_hybrid_packing": DISTRIBUTED,  # one two-rank launch
     "test_hf_config": UNIT,
+    "test_gpt_oss": UNIT,
     # the parity and round-trip launches (one per world size); the syncs into vLLM; the rest reads
     # files in this process
     "test_lora": (DISTRIBUTED, {"test_vllm_generates_with_the_adapters_merged_in": E2E, **{
@@ -186,18 +187,20 @@ def selected_params(request, name: str) -> set:
 
 # Every family, plus the variants that break naive code (tied embeddings, one KV head).
 MODELS = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama_tied", "qwen2_gqa1", "glm4_moe",
-          "deepseek_v3", "qwen3_next", "qwen3_5_moe"]
+          "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_moe"]
 # Sigmoid + expert-bias routing, shared experts, dense first layers, MTP (and MLA for DeepSeek).
 DEEPSEEK_MODELS = ["glm4_moe", "deepseek_v3"]
 # Gated DeltaNet hybrids: linear-attention layers beside gated full attention, a gated shared expert.
 HYBRID_MODELS = ["qwen3_next", "qwen3_5_moe"]
-MOE_MODELS = ["qwen3_moe", "mixtral", *DEEPSEEK_MODELS, *HYBRID_MODELS]
+MOE_MODELS = ["qwen3_moe", "mixtral", *DEEPSEEK_MODELS, "gpt_oss", *HYBRID_MODELS]
 # Converted with 2 ranks (each rank writes half the layers); the others with one process.
 TWO_RANK_CONVERSION = {"qwen3_moe", "llama_tied", "qwen2"}
 # Three layers: no even split over two pipeline stages, which the converter and the check scripts
 # give 1 and 2 (ParallelDims.fit_stages). In hf_models beside MODELS; megatron_models leaves them
 # out (tests/test_conversion.py converts the DeepSeek one with scripts/convert.py).
 ODD_LAYER_MODELS = {"deepseek_v3_3layers": "deepseek_v3", "llama_tied_3layers": "llama_tied"}
+# In hf_models only (tests/test_weight_sync.py): gpt-oss as published, its experts in MXFP4.
+HF_ONLY_MODELS = ["gpt_oss_mxfp4"]
 
 
 @pytest.fixture(scope="session")
@@ -205,7 +208,7 @@ def hf_models(tmp_path_factory):
     from megarl.demo.tiny_checkpoint import make_named
 
     root = tmp_path_factory.mktemp("hf")
-    return {**{name: make_named(name, str(root / name)) for name in MODELS},
+    return {**{name: make_named(name, str(root / name)) for name in [*MODELS, *HF_ONLY_MODELS]},
             **{name: make_named(model, str(root / name), num_hidden_layers=3)
                for name, model in ODD_LAYER_MODELS.items()}}
 

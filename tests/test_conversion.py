@@ -57,7 +57,8 @@ def test_round_trip_is_bit_exact(model, hf_models, exported):
 # Both exported with 2 ranks; DeepSeek-V3's declares an MTP layer without its weights, as
 # transformers saves it (megarl/demo/tiny_checkpoint.py). vLLM loads such an export in
 # tests/test_weight_sync.py's DeepSeek cases (a fresh engine from the run's HF export).
-@pytest.mark.parametrize("model", ["mixtral", "deepseek_v3", "qwen3_next"])
+# gpt-oss: its fused experts; Qwen3-Next: its fused linear-attention projections.
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v3", "gpt_oss", "qwen3_next"])
 def test_exported_checkpoint_loads_in_transformers(model, hf_models, exported):
     import transformers
 
@@ -174,3 +175,20 @@ def test_qwen3_next_mtp_layer_is_kept_byte_for_byte(hf_models, tmp_path):
     run("scripts/convert.py", "megatron-to-hf", "--megatron-dir", megatron, "--out", back)
     result = load_script("compare_hf_checkpoints").compare(str(hf), back)
     assert result["bit_exact"] and result["tensors"] == len(main) + len(mtp), result
+
+
+def test_gpt_oss_mxfp4_experts_round_trip_bit_exact(tmp_path):
+    """gpt-oss as published (experts as MXFP4 blocks and scales): dequantized on load and written
+    back as MXFP4 by megatron-to-hf --experts mxfp4, bit for bit, config.json equal; the refusal
+    of --experts mxfp4 for a family without MXFP4 experts is tests/test_gpt_oss.py's."""
+    from megarl.demo.tiny_checkpoint import make_named
+
+    hf = make_named("gpt_oss_mxfp4", str(tmp_path / "hf"))
+    megatron, back = str(tmp_path / "megatron"), str(tmp_path / "back")
+    run("scripts/convert.py", "hf-to-megatron", "--hf-dir", hf, "--out", megatron)
+    run("scripts/convert.py", "megatron-to-hf", "--megatron-dir", megatron, "--out", back,
+        "--experts", "mxfp4")
+    result = load_script("compare_hf_checkpoints").compare(hf, back)
+    assert result["bit_exact"] and result["tensors"] == 79, result  # 4 layers x 2 x (blocks, scales)
+    with open(os.path.join(hf, "config.json")) as a, open(os.path.join(back, "config.json")) as b:
+        assert json.load(a) == json.load(b)

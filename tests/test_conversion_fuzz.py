@@ -17,12 +17,13 @@ import pytest
 
 from tests.launch import finish, load_script, start
 
-FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next"]
-# The CI default: a case per family (seed % 8 picks it), 13 in place of 5 for GLM-4.5: its MTP
-# layer declared without weights; 6 stores DeepSeek-V3's; 23 converts a 3-layer Qwen3-Next at
-# world 2 (uneven pipeline stages) (test_ci_seeds_cover_mtp_states_and_uneven_stages keeps them
-# covering).
-CI_SEEDS = [0, 1, 2, 3, 4, 13, 6, 23]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss",
+            "qwen3_next"]
+# The CI default: a case per family (seed % 9 picks it), 14 in place of 5 for GLM-4.5: its MTP
+# layer declared without weights; 6 stores DeepSeek-V3's; 61 and 107 convert a 3-layer gpt-oss
+# (sliding and full layers) and a 3-layer Qwen3-Next (linear and full) at world 2, uneven pipeline
+# stages (test_ci_seeds_cover_mtp_states_and_uneven_stages keeps them covering).
+CI_SEEDS = [0, 1, 2, 3, 4, 14, 6, 61, 107]
 _FUZZ = os.environ.get("MEGARL_FUZZ_CASES")
 SEEDS = list(range(int(_FUZZ))) if _FUZZ else CI_SEEDS
 # make_tiny_checkpoint's MTP fields for each state a checkpoint's MTP layer can be in.
@@ -57,6 +58,8 @@ def random_config(seed: int):
         fields.update(deepseek_style(rng, family, fields))
     if family == "qwen3_next":
         fields.update(hybrid(rng, fields))
+    if family == "gpt_oss":
+        fields.update(gpt_oss_style(rng, fields))
     nproc = 2 if fields["num_hidden_layers"] >= 2 and rng.random() < 0.5 else 1
     return family, fields, nproc
 
@@ -107,6 +110,19 @@ def hybrid(rng: random.Random, fields: dict) -> dict:
                 norm_topk_prob=renormalized, moe_intermediate_size=8 * rng.randint(2, 16),
                 shared_expert_intermediate_size=8 * rng.randint(2, 16),
                 partial_rotary_factor=rng.choice([0.25, 0.5, 1.0]))
+
+
+def gpt_oss_style(rng: random.Random, fields: dict) -> dict:
+    """Fused biased experts and top-k, sliding and full layers in any order and window, YaRN or
+    plain RoPE (vLLM's own constants, rms_norm_eps and swiglu_limit, as the family requires)."""
+    experts = rng.choice([2, 4, 8])
+    out = dict(num_local_experts=experts, num_experts_per_tok=rng.randint(2, experts),
+               sliding_window=rng.choice([4, 16]), rms_norm_eps=1e-5, tie_word_embeddings=False,
+               layer_types=[rng.choice(["sliding_attention", "full_attention"])
+                            for _ in range(fields["num_hidden_layers"])])
+    if rng.random() < 0.5:
+        out["rope_parameters"] = dict(rope_type="default", rope_theta=150000.0)
+    return out
 
 
 def mtp_state(fields: dict) -> str:

@@ -70,7 +70,7 @@ def test_the_gpu_plan_is_the_issue_s_check():
     steps = {s.name: s for s in check.plan_steps("cuda", check.FAMILIES, "/w")}
     parity = steps["parity"].argv
     assert parity[parity.index("--dtypes") + 1] == "float32,bfloat16"
-    assert parity[parity.index("--families") + 1].split(",") == check.FAMILIES and len(check.FAMILIES) == 11
+    assert parity[parity.index("--families") + 1].split(",") == check.FAMILIES and len(check.FAMILIES) == 12
     for kind in ("dense", "moe"):
         argv = steps[f"bench_train_{kind}"].argv
         assert int(argv[argv.index("--hidden") + 1]) >= 2048 and "bfloat16" in argv, argv

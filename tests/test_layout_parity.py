@@ -7,11 +7,15 @@ import pytest
 from tests.conftest import DEEPSEEK_MODELS, HYBRID_MODELS, MODELS, MOE_MODELS, selected_params
 from tests.launch import by_layout, run
 
-TP_OK = [m for m in MODELS if m != "qwen2_gqa1"]  # one KV head cannot be split over tp=2
+# One KV head cannot be split over tp=2; gpt-oss's biased experts need etp=1, and tp=2 with
+# etp=1 and ep=1 leaves every MoE family's expert gradients unreduced in Megatron-Core (measured
+# on Qwen3-MoE): gpt-oss's TP2 case is tp2_ep2_etp1.
+TP_OK = [m for m in MODELS if m not in ("qwen2_gqa1", "gpt_oss")]
 # The DeepSeek-style families at the layouts their issue names (all 2-rank, so cheap); context
 # parallelism and the 4-rank layouts stay with the other families.
-# The hybrids likewise (their linear attention refuses CP).
-OTHERS = [m for m in MODELS if m not in DEEPSEEK_MODELS + HYBRID_MODELS]
+# The hybrids likewise (their linear attention refuses CP), and gpt-oss (sinks, sliding windows on
+# sequences longer than its 16-token window, biased experts) at the 2-rank layouts issue 50 names.
+OTHERS = [m for m in MODELS if m not in DEEPSEEK_MODELS + HYBRID_MODELS + ["gpt_oss"]]
 LAYOUTS = {
     # name: (world size, ParallelDims fields, models)
     "single": (1, {}, MODELS),

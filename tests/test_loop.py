@@ -215,6 +215,7 @@ def one_rank_runs(request, demo_inputs, tmp_path_factory):
     root = tmp_path_factory.mktemp("one_rank_runs")
     launches = {
         "test_deepseek_v3_demo_reward_rises": lambda: _deepseek_v3_demo_run(root / "deepseek_v3"),
+        "test_gpt_oss_demo_reward_rises": lambda: _deepseek_v3_demo_run(root / "gpt_oss", "gpt_oss"),
         "test_demo_reward_rises": lambda: _demo_run(demo_inputs, root / "demo"),
         # with its judge's server (another ~30 s of one process) started within
         "test_plugins_verl_data_and_mixed_rewards_plug_into_the_loop":
@@ -714,9 +715,9 @@ def test_a_dense_lora_run_syncs_the_adapters_alone(one_rank_runs):
     assert steps[0]["actor/entropy"] != steps[-1]["actor/entropy"]
 
 
-def _deepseek_v3_demo_run(root):
+def _deepseek_v3_demo_run(root, model="deepseek_v3"):
     inputs, run_dir = root / "inputs", root / "run"
-    run("scripts/prepare_demo.py", "--out", str(inputs), "--prompts", "200", "--model", "deepseek_v3",
+    run("scripts/prepare_demo.py", "--out", str(inputs), "--prompts", "200", "--model", model,
         "--max-operand", "4", "--heldout", "0", "--sft-steps", "8")
     run("scripts/train_ppo_moe.py", *_args(inputs, run_dir, "steps=20", "layout.world_size=1",
                                            "layout.ep=1", "data.prompts_per_step=16", *NO_CHECKPOINT),
@@ -748,3 +749,15 @@ def test_deepseek_v3_demo_reward_rises(one_rank_runs):
     # vLLM's CPU MLA is not shown exact on every shape (docs/PERFORMANCE.md, "vLLM's CPU MLA": 8.1e-6 from
     # the actor on this model after a sync); through training it stays close to the actor's.
     assert max(s["mismatch/logprob_diff_max"] for s in steps) < 0.05
+
+
+def test_gpt_oss_demo_reward_rises(one_rank_runs):
+    """The same 20 steps on a tiny gpt-oss (sinks, a 16-token window on alternate layers, biased
+    experts with the clamped SwiGLU, YaRN; scripts/prepare_demo.py --model gpt_oss): seed 0 rose
+    0.27 -> 0.61 (mean of the first and last 5 steps) with the actor's KL to the reference 0.18
+    over the last 5, and vLLM's sampled-token log-probs stayed within 6.7e-6 of the actor's at
+    every step (measured at af02ad3: prepare 40 s + 20 steps at ~1.5 s, beside other
+    tests). The bars are DeepSeek-V3's above."""
+    steps = _steps(one_rank_runs["test_gpt_oss_demo_reward_rises"].result())
+    assert_learned(steps, 20, last=5, min_rise=0.05, min_kl=0.05)
+    assert max(s["mismatch/logprob_diff_max"] for s in steps) < 1e-4

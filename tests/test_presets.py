@@ -33,6 +33,7 @@ from megarl.rollout.vllm.engine import rollout_groups
 from tests.published_configs import (
     DEEPSEEK_V3,
     GLM45_AIR,
+    GPT_OSS_120B,
     MIXTRAL_8X7B,
     QWEN3_30B_A3B,
     QWEN3_235B_A22B,
@@ -44,7 +45,8 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 PRESETS = {"qwen3_30b_a3b_gpu.yaml": QWEN3_30B_A3B, "qwen3_30b_a3b_1node_gpu.yaml": QWEN3_30B_A3B,
            "qwen3_235b_a22b_gpu.yaml": QWEN3_235B_A22B, "mixtral_8x7b_gpu.yaml": MIXTRAL_8X7B,
            "glm45_air_gpu.yaml": GLM45_AIR, "deepseek_v3_gpu.yaml": DEEPSEEK_V3,
-           "qwen3_next_80b_a3b_gpu.yaml": QWEN3_NEXT_80B_A3B, "qwen3_5_397b_a17b_gpu.yaml": QWEN35_397B_A17B}
+           "qwen3_next_80b_a3b_gpu.yaml": QWEN3_NEXT_80B_A3B, "qwen3_5_397b_a17b_gpu.yaml": QWEN35_397B_A17B,
+           "gpt_oss_120b_gpu.yaml": GPT_OSS_120B}
 # The Gated DeltaNet hybrids run on the portable layers (megarl builds linear attention without
 # Transformer Engine): torch's AdamW, no optimizer offload.
 HYBRID_PRESETS = {"qwen3_next_80b_a3b_gpu.yaml", "qwen3_5_397b_a17b_gpu.yaml"}

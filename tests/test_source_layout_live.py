@@ -19,8 +19,9 @@ WORLDS = {
         "tp2": ({"tp": 2}, ["qwen3", "qwen2", "llama_tied", "qwen3_moe"]),
         "ep2": ({"ep": 2}, MOE),
         # the hybrids: in_proj and conv1d sharded by parts, A_log/dt_bias by heads, gated attention
-        "tp2_ep2_etp1": ({"tp": 2, "ep": 2, "etp": 1}, ["qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_next",
-                                                         "qwen3_5_moe"]),
+        # gpt-oss: sinks split over TP by heads, biases of attention, router and experts
+        "tp2_ep2_etp1": ({"tp": 2, "ep": 2, "etp": 1}, ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss",
+                                                         "qwen3_next", "qwen3_5_moe"]),
         "pp2_vpp2": ({"pp": 2, "vpp": 2}, ["llama_tied", "qwen3_moe"]),
         "cp2": ({"cp": 2}, ["qwen3"]),
         # MLA, the expert bias (fp32), shared experts, a dense first layer on stage 0

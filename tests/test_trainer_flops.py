@@ -28,7 +28,8 @@ from tests.published_configs import (
     QWEN3_30B_A3B,
 )
 
-FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"]
+FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
+            "gpt_oss"]
 
 
 def _hf(hf_dir: str):
@@ -42,12 +43,15 @@ def _hf(hf_dir: str):
 def weights_per_token(model: torch.nn.Module, topk: int) -> int:
     """Matmul weights one token meets, read off the module tree: every 2-D weight outside the
     embedding (tied LM heads are counted as the head's matmul), and of the 3-D expert banks
-    [experts, out, in] only top-k experts' worth."""
+    [experts, out, in] only top-k experts' worth; biases are no matmul (gpt-oss's expert biases
+    are 2-D banks [experts, out])."""
     total = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue  # a lookup
-        for param in module.parameters(recurse=False):
+        for name, param in module.named_parameters(recurse=False):
+            if name.endswith("bias"):
+                continue
             if param.dim() == 2:
                 total += param.numel()
             elif param.dim() == 3:

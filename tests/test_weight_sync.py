@@ -34,6 +34,15 @@ CASES = {
     "ep2_into_two_independent_engines": (2, "glm4_moe", ["--ep", "2", "--rollout-tp", "1"]),
     "tp2_ep2_etp1_small_buckets": (2, "qwen3_moe", ["--tp", "2", "--ep", "2", "--etp", "1",
                                                     "--rollout-tp", "2", "--bucket-mb", "0.25"]),
+    # gpt-oss: sinks (split with the heads), biased attention, router and experts (vLLM interleaves
+    # gate and up rows and keeps the down bias on its first TP rank), sliding windows; R3 replays
+    # the engine's routing
+    "single_gpt_oss": (1, "gpt_oss", []),
+    # its experts published in MXFP4: dequantized into the actor, the engine built unquantized
+    # (rollout/vllm/unquantized.py)
+    "single_gpt_oss_mxfp4": (1, "gpt_oss_mxfp4", []),
+    "tp2_ep2_etp1_into_rollout_tp2_gpt_oss": (2, "gpt_oss", ["--tp", "2", "--ep", "2", "--etp", "1",
+                                                             "--rollout-tp", "2", "--routing"]),
     "tp2_pp2_into_rollout_tp1": (4, "qwen3", ["--tp", "2", "--pp", "2", "--rollout-tp", "1"]),
     "tp2_pp2_into_rollout_tp2": (4, "llama", ["--tp", "2", "--pp", "2", "--rollout-tp", "2", LOADER]),
 }
@@ -288,3 +297,24 @@ def test_hybrid_sync_adds_nothing_to_the_engine(case, hybrid_runs):
         off, r3 = result["routing"]["off"], result["routing"]["rollout"]
         assert r3["routing/topk_diff_fraction"] == 0.0 < off["routing/topk_diff_fraction"], result["routing"]
         assert r3["max_abs_logprob_diff"] < off["max_abs_logprob_diff"], result["routing"]
+
+
+def test_tiny_gpt_oss_checkpoint_loads_in_vllm_as_transformers_computes_it(hf_models):
+    """scripts/make_tiny_model.py --model gpt_oss's checkpoint, read by vLLM's own loader (no
+    sync): the log-probs of what it samples, prompts and responses longer than the 16-token window,
+    equal transformers' within 1e-4 (sinks, windows, biased experts, YaRN as both compute them)."""
+    import torch
+    import transformers
+
+    samples = last_json(run("tests/workers/fresh_engine.py", "--hf-dir", hf_models["gpt_oss"],
+                            "--max-new-tokens", "24", timeout=600))["samples"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_models["gpt_oss"], dtype=torch.float32)
+    worst = 0.0
+    for record in samples:
+        prompt, response = record["prompt_ids"], record["response_ids"]
+        assert len(prompt) + len(response) > 16
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0].log_softmax(-1)
+        ours = logits[len(prompt) - 1:-1].gather(-1, torch.tensor(response)[:, None])[:, 0]
+        worst = max(worst, float((ours - torch.tensor(record["logprobs"])).abs().max()))
+    assert worst <= 1e-4, worst

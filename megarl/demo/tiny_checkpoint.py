@@ -24,6 +24,8 @@ _DEEPSEEK_MOE = dict(n_routed_experts=16, n_shared_experts=1, num_experts_per_to
 VARIANTS: Dict[str, Dict[str, Any]] = {
     "llama_tied": dict(family="llama", tie_word_embeddings=True),
     "qwen2_gqa1": dict(family="qwen2", num_key_value_heads=1),
+    # gpt-oss as published: experts in MXFP4 blocks and scales (quantization_config mxfp4)
+    "gpt_oss_mxfp4": dict(family="gpt_oss", experts_mxfp4=True),
 }
 FAMILIES: Dict[str, Dict[str, Any]] = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
@@ -60,6 +62,15 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                        num_experts_per_tok=2, moe_intermediate_size=64,
                        shared_expert_intermediate_size=128, norm_topk_prob=True,
                        partial_rotary_factor=0.25, router_aux_loss_coef=0.0),
+    # Sinks in every layer, a 16-token window on the even layers (sequences of the tests are
+    # longer), YaRN without truncation as gpt-oss publishes it.
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+                    num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
+                    sliding_window=16, router_aux_loss_coef=0.0,
+                    rms_norm_eps=1e-5,  # vLLM's gpt-oss hard-codes it
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                         original_max_position_embeddings=64, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False)),
 }
 # Qwen3.5-MoE: Qwen3-Next's text model (its own linear-attention projections) beside a tiny vision
 # tower, which megarl keeps aside; the text fields go into text_config.
@@ -83,6 +94,7 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
         raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
     fields = {**BASE, **FAMILIES[family], **overrides}
     mtp_weights = fields.pop("mtp_weights", True)
+    experts_mxfp4 = fields.pop("experts_mxfp4", False)
     config_cls = transformers.CONFIG_MAPPING[fields["model_type"]]
     kwargs = {k: v for k, v in fields.items() if k not in ("architectures", "model_type")}
     if family == "qwen3_moe":
@@ -111,6 +123,8 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
     model.to(getattr(torch, dtype)).save_pretrained(out_dir, safe_serialization=True)
     if published:
         _add_to_config(out_dir, published)
+    if experts_mxfp4:
+        _experts_to_mxfp4(out_dir)
     if fields.get("num_nextn_predict_layers") and mtp_weights:
         _add_mtp_layer(out_dir, fields["num_hidden_layers"], std)
     return out_dir
@@ -122,6 +136,20 @@ def _add_to_config(out_dir: str, fields: Dict[str, Any]) -> None:
         config = json.load(f)
     with open(path, "w") as f:
         json.dump({**config, **fields}, f, indent=2)
+
+
+def _experts_to_mxfp4(out_dir: str) -> None:
+    """Store the fused experts (gpt-oss) as MXFP4 blocks and scales, as OpenAI publishes them."""
+    from safetensors.torch import load_file, save_file
+
+    from megarl.models.hf.fused_experts import MXFP4_CONFIG, quantize_mxfp4
+
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(tensors.pop(name))
+    save_file(tensors, path, metadata={"format": "pt"})
+    _add_to_config(out_dir, {"quantization_config": MXFP4_CONFIG})
 
 
 def _add_mtp_layer(out_dir: str, num_layers: int, std: float) -> None:

@@ -27,7 +27,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megarl.models.hf.config import ModelArch
+from megarl.models.hf.fused_experts import fuse
 from megarl.models.weights import mtp as mtp_weights
+from megarl.models.weights import tables as weight_tables
 from megarl.models.weights.checkpoint import TOKENIZER_FILES
 from megarl.parallel_state.links import Links, WorldLinks
 from megarl.resharding.sync import sync_weights
@@ -68,9 +70,23 @@ class HFDirectoryWriter:
             return
         filename = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
         # Popped: each device tensor is freed as soon as its host copy exists.
-        host = {name: self.open.pop(name).cpu() for name in names}
+        host = self._as_hf({name: self.open.pop(name).cpu() for name in names})
         save_file(host, os.path.join(self.partial, filename), metadata={"format": "pt"})
-        self.weight_map.update({name: filename for name in names})
+        self.weight_map.update({name: filename for name in host})
+
+    def _as_hf(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Experts a checkpoint fuses (gpt-oss: NAME[e], planned in Megatron's orientation, as
+        regions copy rows and cannot transpose) -> the checkpoint's fused tensors. A bucket holds
+        whole modules, so all experts of a layer close together."""
+        if not any("[" in name for name in tensors):
+            return tensors
+        sliced = {h: entry for entry in weight_tables.entries(self.arch) for h in entry.hf
+                  if "[" in h and h in tensors}
+        out = {}
+        for name, tensor in tensors.items():
+            out.update(weight_tables.to_hf(self.arch, sliced[name], tensor) if name in sliced
+                       else {name: tensor})
+        return fuse(out)
 
     def finish_weight_update(self) -> WeightUpdateReport:
         # The plan refuses to run unless it covers every tensor the architecture has, so what

@@ -88,6 +88,7 @@ class Copy:
     dst_start: int
     numel: int
     dtype: str
+    dst_step: int = 1  # destination rows this far apart (Region.step)
 
     @property
     def nbytes(self) -> int:
@@ -100,7 +101,8 @@ class Copy:
         contiguous; a slab along dim 0 of one, or of one expert of one, is too). Smaller or
         column slabs share one packed buffer per peer and round, so per-message costs stay
         bounded. Both ends, and the cluster planner, decide from the plan alone."""
-        return self.src != self.dst and self.dim == 0 and self.nbytes >= DIRECT_BYTES
+        return (self.src != self.dst and self.dim == 0 and self.dst_step == 1
+                and self.nbytes >= DIRECT_BYTES)
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,8 @@ def _cut(region, held: Dict[int, List[Piece]], tensor: DestTensor, dst: int,
             numel = (hi - lo) * piece.numel // piece.shape[region.dim]
             copies.append(Copy(piece.rank, dst, region.canonical, piece.tp_rank, region.dim,
                                local + lo - full, hi - lo, tensor.name, region.expert,
-                               region.dst_start + lo - region.start, numel, piece.dtype))
+                               region.dst_start + (lo - region.start) * region.step, numel, piece.dtype,
+                               region.step))
             covered += hi - lo
             if piece.rank != dst:
                 load[piece.rank] = load.get(piece.rank, 0) + copies[-1].nbytes
@@ -290,8 +293,10 @@ def _engine_buckets(queues: List[List[str]], size: Dict[str, int], engine: int, 
 
 
 def _itemsize(tensor: DestTensor, by_tensor: Dict[str, Dict[int, List[Piece]]]) -> int:
-    """Bytes per element of a destination tensor: its sources' (the engine takes the model's)."""
-    return _BYTES[next(iter(by_tensor[tensor.regions[0].canonical].values()))[0].dtype]
+    """Bytes per element of a destination tensor: its sources' (the engine takes the model's); a
+    tensor no region writes (gpt-oss's expert down bias on TP ranks past the first) the model's."""
+    canonical = tensor.regions[0].canonical if tensor.regions else next(iter(by_tensor))
+    return _BYTES[next(iter(by_tensor[canonical].values()))[0].dtype]
 
 
 def _engine_of(engines: Tuple[Tuple[int, ...], ...], receiving: List[int]) -> Dict[int, int]:

@@ -79,6 +79,14 @@ def _shapes(arch: ModelArch, dims: ParallelDims, role: str,
         shapes.update(_mla_shapes(arch, tp))
     if arch.layer_types:
         shapes.update(hybrid_shapes(arch, tp))
+    if arch.linear_bias or arch.attention_sinks:  # gpt-oss (experts' biases need etp 1)
+        shapes.update({
+            "self_attention.linear_proj.bias": ((hidden,), None, False),
+            "self_attention.core_attention.softmax_offset": ((arch.num_heads // tp,), 0, False),
+            "mlp.router.bias": ((arch.num_experts,), None, False),
+            "expert.linear_fc1.bias": ((2 * arch.moe_ffn_hidden_size,), None, False),
+            "expert.linear_fc2.bias": ((hidden,), None, False),
+        })
     return shapes
 
 

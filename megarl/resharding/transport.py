@@ -35,7 +35,10 @@ def _target(copy: Copy, targets: Dict[str, torch.Tensor]) -> torch.Tensor:
     tensor = targets[copy.tensor]
     if copy.expert is not None:
         tensor = tensor[copy.expert]
-    return tensor.narrow(copy.dim, copy.dst_start, copy.length)
+    if copy.dst_step == 1:
+        return tensor.narrow(copy.dim, copy.dst_start, copy.length)
+    rows = tensor.narrow(copy.dim, copy.dst_start, (copy.length - 1) * copy.dst_step + 1)
+    return rows[(slice(None),) * copy.dim + (slice(None, None, copy.dst_step),)]
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megarl.models.hf import config_deepseek as hf_config_deepseek
+from megarl.models.hf import config_gpt_oss as hf_config_gpt_oss
 from megarl.models.hf import config_qwen3_next as hf_config_qwen3_next
 from megarl.models.hf.fields import require as _require
 from megarl.models.hf.fields import rope_settings
@@ -28,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Families routed DeepSeek-style: sigmoid scores + expert bias, groups, shared experts, dense
 # first layers (megarl/models/hf/config_deepseek.py reads their fields).
@@ -96,13 +98,23 @@ class ModelArch:
     attention_output_gate: bool = False  # full attention's output times sigmoid(a gate from q_proj)
     zero_centered_norm: bool = False     # RMSNorms scale by (1 + weight)
     shared_expert_gate: bool = False     # the shared expert's output times sigmoid(x . gate)
+    yarn_truncate: bool = True           # correction range rounded to whole dims (gpt-oss: false)
+    # gpt-oss (models/hf/config_gpt_oss.py); the defaults describe the other families.
+    attention_sinks: bool = False        # a learned per-head logit joins each softmax
+    sliding_window: int = 0              # tokens a sliding layer sees, itself included (0: none)
+    window_layers: Tuple[bool, ...] = () # per layer: sliding (True) or full attention
+    linear_bias: bool = False            # attention out, router and expert linears carry biases
+    swiglu_alpha: float = 0.0            # 0: silu(gate) * up; else clamped gate*sigmoid(a*gate)*(up+1)
+    swiglu_limit: float = 0.0            # clamp of gate (above) and up (both sides); 0: none
+    experts_mxfp4: bool = False          # the checkpoint stores routed experts as MXFP4 blocks
 
     @property
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
 
-    def __post_init__(self):  # read back from JSON the layer types are a list
+    def __post_init__(self):  # read back from JSON the per-layer fields are lists
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "window_layers", tuple(self.window_layers))
 
     def is_linear_layer(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
@@ -151,9 +163,11 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
     _require(cfg, "use_sliding_window", (False, None))
     if family == "mixtral":
         _require(cfg, "sliding_window", (None,))
-    if family not in ("qwen2", "glm4_moe"):
+    if family not in ("qwen2", "glm4_moe", "gpt_oss"):
         _require(cfg, "attention_bias", (False, None))
-    if cfg.get("quantization_config"):
+    if family == "gpt_oss":
+        hf_config_gpt_oss.check_quantization(cfg)
+    elif cfg.get("quantization_config"):
         raise _unsupported("quantization_config", cfg["quantization_config"].get("quant_method"),
                            "unquantized weights: dequantize the checkpoint to bf16 first (e.g. "
                            "DeepSeek's fp8_cast_bf16.py)")
@@ -185,6 +199,9 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
     elif family in HYBRIDS:
         num_experts = int(cfg["num_experts"])
         moe = hf_config_qwen3_next.moe(cfg)
+    elif family == "gpt_oss":
+        num_experts = int(cfg["num_local_experts"])
+        moe = hf_config_gpt_oss.experts(cfg)
     if num_experts:
         moe.update(num_experts=num_experts, moe_topk=int(cfg["num_experts_per_tok"]),
                    router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))
@@ -198,6 +215,8 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
         extra = hf_config_deepseek.attention(cfg, family, head_dim)
     elif family in HYBRIDS:
         extra = hf_config_qwen3_next.hybrid(cfg, head_dim)
+    elif family == "gpt_oss":
+        extra = hf_config_gpt_oss.attention(cfg)
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     if dtype not in DTYPES:
         raise _unsupported("dtype", dtype, " or ".join(sorted(DTYPES)))
@@ -213,7 +232,8 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=head_dim,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg, ("default", "yarn") if family == "deepseek_v3" else ("default",)),
+        rope_theta=_rope_theta(cfg, ("default", "yarn") if family in ("deepseek_v3", "gpt_oss")
+                               else ("default",)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),

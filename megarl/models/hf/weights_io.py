@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.hf.config import ModelArch
+from megarl.models.hf.fused_experts import FusedExpertsReader, fuse
 from megarl.models.hf.safetensors_reader import SafetensorsReader
 from megarl.models.megatron.param_layout import ParamSlot, join_shards, local_shard, param_slots, weight_slots
 from megarl.models.weights import mtp as mtp_weights
@@ -36,13 +37,20 @@ def check_hf_names(arch: ModelArch, names: List[str], hf_dir: str, role: str = "
         )
 
 
+def open_hf(hf_dir: str, arch: ModelArch):
+    """The checkpoint's reader, per expert where the family fuses its experts (gpt-oss)."""
+    reader = SafetensorsReader(hf_dir)
+    fused = weight_tables.FUSED_EXPERTS.get(arch.family)
+    return FusedExpertsReader(reader, fused) if fused else reader
+
+
 @torch.no_grad()
 def load_hf_weights(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
                     role: str = "policy") -> Tuple[int, int]:
     """Fill this rank's shards from the HF checkpoint; return (parameters written, HF tensors
     read) on this rank.
     The value head, which a causal-LM checkpoint does not have, keeps its initialization."""
-    reader = SafetensorsReader(hf_dir)
+    reader = open_hf(hf_dir, arch)
     check_hf_names(arch, reader.names(), hf_dir, role)
     tp = megatron_groups.tensor().size
     written = 0
@@ -112,4 +120,4 @@ def gather_hf_tensors(chunks: List[torch.nn.Module], arch: ModelArch, role: str 
         full = join_shards([by_rank[r] for r in range(slot.tp_size if slot.tp_dim is not None
                                                       else 1)], slot.tp_dim, slot.glu, slot.sections)
         result.update(weight_tables.to_hf(arch, weight_tables.entry_of(arch, slot.canonical, role), full))
-    return result
+    return fuse(result)

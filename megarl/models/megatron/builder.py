@@ -13,6 +13,7 @@ from megatron.core.models.gpt import GPTModel
 
 from megarl.models.hf.config import ModelArch
 from megarl.models.megatron.config import padded_vocab_size, transformer_config
+from megarl.models.megatron.config_gpt_oss import position_embedding_type
 from megarl.models.megatron.layer_spec import decoder_spec
 from megarl.models.megatron.value_head import ValueHead
 from megarl.parallel_state import megatron_groups
@@ -49,7 +50,7 @@ def _chunk(arch: ModelArch, dims: ParallelDims, role: str, config, use_te: bool,
         pre_process=megatron_groups.is_first_stage(vp),
         post_process=megatron_groups.is_last_stage(vp),
         share_embeddings_and_output_weights=arch.tie_embeddings and role == "policy",
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type(arch),
         rotary_percent=arch.rotary_percent,
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         vp_stage=vp,

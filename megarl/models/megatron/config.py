@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel.layers import _grad_accum_fusion_available
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megarl.models.hf.config import ModelArch
+from megarl.models.megatron.config_gpt_oss import gpt_oss_fields, position_embedding_type, yarn_attributes
 from megarl.models.megatron.config_qwen3_next import hybrid_fields
 from megarl.parallel_state.dims import ParallelDims
 from megarl.platform import device_choice
@@ -164,6 +165,10 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
     if arch.shared_expert_ffn % dims.tp:
         raise ValueError(f"the shared experts' width n_shared_experts * moe_intermediate_size = "
                          f"{arch.shared_expert_ffn} must be divisible by tp({dims.tp})")
+    if arch.linear_bias and arch.num_experts and dims.expert_tp != 1:
+        raise ValueError(f"{arch.family}'s experts carry biases, which Megatron-Core shards only at "
+                         f"expert tensor parallel 1 (etp={dims.expert_tp}): set etp=1 (experts whole on "
+                         "each rank, spread by ep)")
     dtype = dtype or arch.torch_dtype
     on_gpu = device_choice.on_gpu()
     moe = {}
@@ -224,11 +229,16 @@ def transformer_config(arch: ModelArch, dims: ParallelDims, *, dtype: torch.dtyp
     if arch.mla:
         config_class = MLATransformerConfig
         fields.update(mla_fields(arch))
+    fields.update(gpt_oss_fields(arch))
     fields.update(overrides)
     unknown = set(overrides) - {f.name for f in dataclasses.fields(config_class)}
     if unknown:
         raise ValueError(f"unknown {config_class.__name__} fields {sorted(unknown)}")
-    return config_class(**fields)
+    config = config_class(**fields)
+    if position_embedding_type(arch) == "yarn":
+        for name, value in yarn_attributes(arch).items():
+            setattr(config, name, value)
+    return config
 
 
 def deepseek_routing(arch: ModelArch) -> dict:

@@ -20,6 +20,7 @@ from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLine
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.multi_latent_attention import (
     MLASelfAttention,
     MLASelfAttentionSubmodules,
@@ -37,7 +38,8 @@ from megatron.core.transformer.transformer_layer import (
 
 from megarl.models.hf.config import ModelArch
 from megarl.models.megatron.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-from megarl.models.megatron.portable_layers import PortableCoreAttention, RMSNorm
+from megarl.models.megatron.portable_layers import ExpertRowParallelLinear, PortableCoreAttention, RMSNorm
+from megarl.models.megatron.sink_attention import SinkWindowCoreAttention
 
 
 class PortableSpecProvider(LocalSpecProvider):
@@ -50,6 +52,13 @@ class PortableSpecProvider(LocalSpecProvider):
 
     def core_attention(self) -> type:
         return PortableCoreAttention
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+        """Megatron's SequentialMLP, whose experts' fc2 may carry a bias (gpt-oss)."""
+        module, submodules = super().grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+        if submodules is not None:
+            submodules = MLPSubmodules(linear_fc1=submodules.linear_fc1, linear_fc2=ExpertRowParallelLinear)
+        return module, submodules
 
 
 def te_norm_keys(moe_layer: bool, mla: bool) -> dict:
@@ -91,7 +100,8 @@ def _portable_attention(backend, norm, arch: ModelArch) -> ModuleSpec:
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=backend.column_parallel_linear(),
-            core_attention=backend.core_attention(),
+            core_attention=SinkWindowCoreAttention if arch.attention_sinks or arch.sliding_window
+            else backend.core_attention(),
             linear_proj=backend.row_parallel_linear(),
             q_layernorm=norm if arch.qk_norm else IdentityOp,
             k_layernorm=norm if arch.qk_norm else IdentityOp,

@@ -27,8 +27,9 @@ _TE_NAMES = (
      "self_attention.q_layernorm.weight"),
     (re.compile(r"self_attention\.linear_kv_up_proj\.layer_norm_weight$"),
      "self_attention.kv_layernorm.weight"),
-    (re.compile(r"mlp\.experts\.linear_fc(\d)\.weight(\d+)$"),
-     r"mlp.experts.local_experts.\2.linear_fc\1.weight"),
+    # TE's grouped experts: weight{i}, and bias{i} where experts carry biases (gpt-oss)
+    (re.compile(r"mlp\.experts\.linear_fc(\d)\.(weight|bias)(\d+)$"),
+     r"mlp.experts.local_experts.\3.linear_fc\1.\2"),
 )
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -98,6 +99,8 @@ def _parallel_mode(module: torch.nn.Module) -> Optional[str]:
 
 
 def _tp_dim(module: torch.nn.Module, param_name: str) -> Optional[int]:
+    if param_name == "softmax_offset":  # attention sinks: one per head, split with the heads
+        return 0
     mode = _parallel_mode(module)
     if mode == "column" and (param_name.startswith("weight") or param_name == "bias"):
         return 0

@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from megarl.parallel_state import megatron_groups
@@ -41,6 +42,26 @@ class RMSNorm(torch.nn.Module):
         if self.zero_centered:
             return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+
+class ExpertRowParallelLinear(tensor_parallel.RowParallelLinear):
+    """Megatron's, for experts' biases (gpt-oss). The output is its own tensor where the TP
+    reduction is the identity (expert TP 1 without EP): Megatron's biased experts add the weighted
+    bias in place (transformer/mlp.py), which autograd refuses on the reduction's pass-through
+    view. An expert's bias is not sequence-parallel: its tokens all reach its rank, so its
+    gradient is whole there; Megatron marks it sequence-parallel, and finalize_model_grads then
+    summed it with another expert's over the TP group (measured at TP2 x EP2)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.is_expert and self.bias is not None:
+            self.bias.sequence_parallel = False
+
+    def forward(self, input_):
+        output, bias = super().forward(input_)
+        if self.is_expert and not self.explicit_expert_comm and bias is not None:
+            output = output.clone()
+        return output, bias
 
 
 class _GatherFromContextParallel(torch.autograd.Function):
@@ -121,23 +142,30 @@ class PortableCoreAttention(MegatronModule):
             q_seg, q_pos = packed_positions(cu, cp_rank, cp_size)
             k_seg, k_pos = (torch.cat(parts) for parts in zip(
                 *[packed_positions(cu, r, cp_size) for r in range(cp_size)]))
-            allowed = (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+            allowed = (q_seg[:, None] == k_seg[None, :]) & self._mask(q_pos, k_pos)
         else:
             q_pos = cp_positions(query.shape[0], cp_rank, cp_size, query.device) if cp_size > 1 \
                 else torch.arange(query.shape[0], device=query.device)
             k_pos = torch.cat([cp_positions(query.shape[0], r, cp_size, query.device)
                                for r in range(cp_size)]) if cp_size > 1 else q_pos
-            allowed = k_pos[None, :] <= q_pos[:, None]  # [sq, sk]
+            allowed = self._mask(q_pos, k_pos)  # [sq, sk]
         q = query.permute(1, 2, 0, 3)  # [b, nq, sq, d]
         k = key.permute(1, 2, 0, 3).repeat_interleave(self.heads_per_group, dim=1)
         v = value.permute(1, 2, 0, 3).repeat_interleave(self.heads_per_group, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed.to(q.device), dropout_p=self.dropout if self.training else 0.0,
-            scale=self.softmax_scale,
-        )  # [b, nq, sq, d]
+        out = self._attend(q, k, v, allowed.to(q.device))  # [b, nq, sq, d]
         sq, b = query.shape[0], query.shape[1]
         out = out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, nq/tp * d]
         return out[:, 0] if packed else out
+
+    def _mask(self, q_pos, k_pos):
+        """[sq, sk]: which keys each query sees, by position in its sequence (causal)."""
+        return k_pos[None, :] <= q_pos[:, None]
+
+    def _attend(self, q, k, v, allowed):
+        """q [B, nq, sq, d], k/v [B, nq, sk, d]; `allowed` [sq, sk], None: causal over one sequence."""
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, is_causal=allowed is None,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale)
 
     def _per_sequence(self, query, key, value, bounds):
         """Causal attention within each packed sequence (query [t, nq, d]; key, value [t, nkv, d]):
@@ -162,9 +190,7 @@ class PortableCoreAttention(MegatronModule):
         for (n, count), q, k, v in zip(batches, *(x[order].split(sizes) for x in (query, key, value))):
             q, k, v = (x.view(count, n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))  # [B, heads, n, d]
             k, v = (x.repeat_interleave(self.heads_per_group, dim=1) for x in (k, v))
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                scale=self.softmax_scale)  # [B, nq, n, dv]
+            out = self._attend(q, k, v, None)  # [B, nq, n, dv]
             outs.append(out.transpose(1, 2).reshape(count * n, out.shape[1], out.shape[3]))
         out = torch.cat(outs)
         out = out.new_zeros(query.shape[0], *out.shape[1:]).index_copy(0, order, out)

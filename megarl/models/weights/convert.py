@@ -16,11 +16,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megarl.models.hf.config import arch_from_hf_config, load_hf_config
+from megarl.models.hf.fused_experts import export_config, fuse
 from megarl.models.hf.safetensors_reader import SafetensorsReader
 from megarl.models.hf.weights_io import load_hf_weights, local_hf_tensors
 from megarl.models.megatron.builder import build_model
 from megarl.models.weights import checkpoint
 from megarl.models.weights import mtp as mtp_weights
+from megarl.models.weights import tables as weight_tables
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 
@@ -86,8 +88,18 @@ def _count_tensors(hf_dir: str) -> int:
     return count
 
 
-def megatron_to_hf(megatron_dir: str, out_dir: str) -> dict:
+EXPERT_FORMATS = ("unquantized", "mxfp4")
+
+
+def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized") -> dict:
+    """`experts`: the routed experts in the model's dtype, or as MXFP4 blocks and scales (gpt-oss)."""
     hf_config = checkpoint.read_model_file(megatron_dir)["hf_config"]
+    family = arch_from_hf_config(hf_config).family
+    if experts not in EXPERT_FORMATS or (experts == "mxfp4" and family not in weight_tables.MXFP4_EXPERTS):
+        raise ValueError(f"--experts {experts}: {family} exports its experts as one of "
+                         f"{['unquantized', *(['mxfp4'] if family in weight_tables.MXFP4_EXPERTS else [])]}")
+    mxfp4 = weight_tables.MXFP4_EXPERTS[family] if experts == "mxfp4" else ()
+    hf_config = export_config(hf_config, bool(mxfp4))
     arch, dims, partial, chunks = _start(hf_config, out_dir)
     world = dims.world_size
     checkpoint.load(chunks, megatron_dir)
@@ -95,7 +107,7 @@ def megatron_to_hf(megatron_dir: str, out_dir: str) -> dict:
     filename = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
     names = []
     if megatron_groups.data().rank == 0:  # one writer per pipeline stage
-        tensors = {name: t.contiguous() for name, t in local_hf_tensors(chunks, arch)}
+        tensors = fuse({name: t.contiguous() for name, t in local_hf_tensors(chunks, arch)}, mxfp4)
         save_file(tensors, os.path.join(partial, filename), metadata={"format": "pt"})
         names = sorted(tensors)
     all_names = [None] * world

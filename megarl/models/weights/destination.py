@@ -42,6 +42,7 @@ class Region:
     length: int
     dst_start: int
     expert: Optional[int] = None
+    step: int = 1  # destination rows this far apart (vLLM's gpt-oss interleaves gate and up rows)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,9 @@ def full_shape(arch: ModelArch, canonical: str) -> Tuple[int, ...]:
     if ".shared_experts." in canonical:
         ffn = arch.shared_expert_ffn
     table = (("word_embeddings.weight", (arch.vocab_size, h)), ("output_layer.weight", (arch.vocab_size, h)),
-             ("router.expert_bias", (arch.num_experts,)),
+             ("router.expert_bias", (arch.num_experts,)), ("router.bias", (arch.num_experts,)),
+             ("softmax_offset", (arch.num_heads,)), ("linear_proj.bias", (h,)),
+             ("linear_fc1.bias", (2 * ffn,)), ("linear_fc2.bias", (h,)),
              ("linear_qkv.weight", (qkv, h)), ("linear_qkv.bias", (qkv,)),
              ("linear_proj.weight", (h, arch.num_heads * d)), ("layernorm.weight", None),
              ("linear_fc1.weight", (2 * ffn, h)), ("linear_fc2.weight", (h, ffn)),
@@ -183,13 +186,37 @@ def _rows(canonical: str, runs, dim: int = 0, expert: Optional[int] = None) -> L
     return [Region(canonical, dim, start, length, dst, expert) for start, dst, length in runs]
 
 
-def _vllm_name(entry: weight_tables.Entry) -> str:
-    first = entry.hf[0]
+# vLLM's module names where its model differs from the HF checkpoint's (its hf_to_vllm_mapper).
+VLLM_RENAMES = {"gpt_oss": ((".self_attn.", ".attn."), ("model.embed_tokens.", "model.embedding."))}
+
+
+def _vllm_name(entry: weight_tables.Entry, family: str = "") -> str:
+    name = entry.hf[0]
     if entry.transform == "qkv":
-        return first.replace("q_proj", "qkv_proj")
+        name = name.replace("q_proj", "qkv_proj")
     if entry.transform == "gate_up" and ".experts." not in entry.megatron:
-        return first.replace("gate_proj", "gate_up_proj")
-    return first
+        name = name.replace("gate_proj", "gate_up_proj")
+    for old, new in VLLM_RENAMES.get(family, ()):
+        name = name.replace(old, new)
+    return name
+
+
+def _interleaved_experts(c: str, name: str, shape: Tuple[int, ...], local: int, w: int, u: int,
+                         t: int, experts_here: int) -> List[Tuple[str, Tuple[int, ...], List[Region]]]:
+    """gpt-oss in vLLM: w13 rows (and bias) interleave gate and up ([g0, u0, g1, u1, ...] of this
+    rank's slice); the w2 bias is summed over the TP ranks, so only TP rank 0 holds it (vLLM zeroes
+    the others': an uncovered tensor is zeroed)."""
+    module = name[:name.index(".experts.") + len(".experts")] + ".routed_experts"
+    width = shape[0] // 2
+    interleaved = [Region(c, 0, u * w, w, 0, local, 2), Region(c, 0, width + u * w, w, 1, local, 2)]
+    if c.endswith("linear_fc1.weight"):
+        return [(module + ".w13_weight", (experts_here, 2 * w, shape[1]), interleaved)]
+    if c.endswith("linear_fc1.bias"):
+        return [(module + ".w13_bias", (experts_here, 2 * w), interleaved)]
+    if c.endswith("linear_fc2.weight"):
+        return [(module + ".w2_weight", (experts_here, shape[0], w), [Region(c, 1, u * w, w, 0, local)])]
+    return [(module + ".w2_bias", (experts_here, shape[0]),
+             [Region(c, 0, 0, shape[0], 0, local)] if t == 0 or w == width else [])]
 
 
 def _expert_module(entry: weight_tables.Entry) -> str:
@@ -224,7 +251,18 @@ def vllm_rank_tensors(arch: ModelArch, rollout: RolloutLayout, p: int,
             runs = [_runs(_qkv_rows(arch, q_heads, kv_heads, part), d) for part in "qkv"]
             offsets = [0, len(q_heads) * d, (len(q_heads) + len(kv_heads)) * d]
             regions = [Region(c, 0, s, n, off + dst) for run, off in zip(runs, offsets) for s, dst, n in run]
-            add(_vllm_name(entry), ((len(q_heads) + 2 * len(kv_heads)) * d, *shape[1:]), regions)
+            add(_vllm_name(entry, arch.family), ((len(q_heads) + 2 * len(kv_heads)) * d, *shape[1:]), regions)
+        elif ".experts." in c and arch.family == "gpt_oss":
+            expert = int(c.split(".local_experts.")[1].split(".")[0])
+            if expert // experts_here == expert_rank:
+                width = arch.moe_ffn_hidden_size
+                for name, dest_shape, regions in _interleaved_experts(
+                        c, entry.hf[0], shape, expert % experts_here, width // expert_tp,
+                        t % expert_tp, t, experts_here):
+                    add(name, dest_shape, regions)
+        elif c.endswith("core_attention.softmax_offset"):  # sinks: split with the heads
+            n = arch.num_heads // tp
+            add(_vllm_name(entry, arch.family), (n,), [Region(c, 0, t * n, n, 0)])
         elif ".experts." in c:
             expert = int(c.split(".local_experts.")[1].split(".")[0])
             if expert // experts_here != expert_rank:
@@ -245,20 +283,21 @@ def vllm_rank_tensors(arch: ModelArch, rollout: RolloutLayout, p: int,
                 [Region(c, 0, 0, shape[0], dst)])
         elif c.endswith(MLA_HEAD_SPLIT):
             rows = shape[0] // tp
-            add(_vllm_name(entry), (rows, shape[1]), [Region(c, 0, t * rows, rows, 0)])
+            add(_vllm_name(entry, arch.family), (rows, shape[1]), [Region(c, 0, t * rows, rows, 0)])
         elif entry.transform == "gate_up":
             f = shape[0] // 2 // tp
-            add(_vllm_name(entry), (2 * f, shape[1]),
+            add(_vllm_name(entry, arch.family), (2 * f, shape[1]),
                 [Region(c, 0, t * f, f, 0), Region(c, 0, shape[0] // 2 + t * f, f, f)])
         elif entry.transform == "vocab":
             start = t * vocab_rows
             n = max(0, min(arch.vocab_size - start, vocab_rows))
-            add(_vllm_name(entry), (vocab_rows, shape[1]), [Region(c, 0, start, n, 0)] if n else [])
+            add(_vllm_name(entry, arch.family), (vocab_rows, shape[1]),
+                [Region(c, 0, start, n, 0)] if n else [])
         elif c.endswith(ROW_PARALLEL):
             cols = shape[1] // tp
-            add(_vllm_name(entry), (shape[0], cols), [Region(c, 1, t * cols, cols, 0)])
+            add(_vllm_name(entry, arch.family), (shape[0], cols), [Region(c, 1, t * cols, cols, 0)])
         else:
-            add(_vllm_name(entry), shape, [_whole(c, shape)])
+            add(_vllm_name(entry, arch.family), shape, [_whole(c, shape)])
     return tuple(DestTensor(name, shape, tuple(regions)) for name, (shape, regions) in tensors.items())
 
 
@@ -312,6 +351,9 @@ def check_rollout(arch: ModelArch, rollout: RolloutLayout, world: int) -> None:
     if arch.num_kv_heads % rollout.tp and rollout.tp % arch.num_kv_heads:
         problems.append(f"rollout tp {rollout.tp} must divide the {arch.num_kv_heads} KV heads or "
                         "be a multiple of them (vLLM then replicates each KV head)")
+    elif arch.num_kv_heads % rollout.tp and arch.family == "gpt_oss":
+        problems.append(f"rollout tp {rollout.tp} must divide the {arch.num_kv_heads} KV heads: "
+                        "vLLM's gpt-oss does not replicate KV heads")
     dense_layers = not arch.num_experts or arch.first_dense_layers
     if dense_layers and arch.ffn_hidden_size % rollout.tp:
         problems.append(f"rollout tp {rollout.tp} must divide intermediate_size {arch.ffn_hidden_size}")

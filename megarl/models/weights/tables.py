@@ -13,6 +13,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import torch
 
 from megarl.models.hf.config import ModelArch
+from megarl.models.hf.fused_experts import sliced
 from megarl.models.megatron.config import padded_vocab_size
 from megarl.models.weights import transforms as wt
 
@@ -24,8 +25,9 @@ EXPERT = LAYER + "mlp.experts.local_experts.{expert}."
 class Row:
     megatron: str
     hf: Tuple[str, ...]
-    transform: str = "copy"  # copy | qkv | gated_qkv | qkvzba | qkv_z_b_a | gate_up | vocab
-    when: str = "always"     # always | untied | qkv_bias | qk_norm | q_lora | no_q_lora
+    # copy | qkv | gated_qkv | qkvzba | qkv_z_b_a | gate_up | vocab | gate_up_interleaved | transpose
+    transform: str = "copy"
+    when: str = "always"     # always | untied | qkv_bias | qk_norm | q_lora | no_q_lora | sinks
     layers: str = "all"      # all | dense | moe | linear | full: which layers have it (DeepSeek's
     #                          first are dense; a hybrid's linear- or full-attention layers)
 
@@ -103,6 +105,30 @@ _MIXTRAL_MLP = [
     Row(EXPERT + "linear_fc2.weight",
         ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",), layers="moe"),
 ]
+# gpt-oss: biased q/k/v/o, a sink logit per head, a biased router, and all experts of a layer in
+# fused tensors (x @ W layout, gate and up columns interleaved); NAME[e] is expert e's slice
+# (models/hf/fused_experts.py).
+_GPT_OSS_EXPERTS = "model.layers.{layer}.mlp.experts."
+_GPT_OSS = [
+    *_ATTENTION,
+    Row(LAYER + "self_attention.linear_proj.bias", (_ATTN + "o_proj.bias",)),
+    Row(LAYER + "self_attention.core_attention.softmax_offset", (_ATTN + "sinks",), when="sinks"),
+    Row(LAYER + "mlp.router.weight", ("model.layers.{layer}.mlp.router.weight",), layers="moe"),
+    Row(LAYER + "mlp.router.bias", ("model.layers.{layer}.mlp.router.bias",), layers="moe"),
+    Row(EXPERT + "linear_fc1.weight", (sliced(_GPT_OSS_EXPERTS + "gate_up_proj", "{expert}"),),
+        "gate_up_interleaved", layers="moe"),
+    Row(EXPERT + "linear_fc1.bias", (sliced(_GPT_OSS_EXPERTS + "gate_up_proj_bias", "{expert}"),),
+        "gate_up_interleaved", layers="moe"),
+    Row(EXPERT + "linear_fc2.weight", (sliced(_GPT_OSS_EXPERTS + "down_proj", "{expert}"),),
+        "transpose", layers="moe"),
+    Row(EXPERT + "linear_fc2.bias", (sliced(_GPT_OSS_EXPERTS + "down_proj_bias", "{expert}"),),
+        layers="moe"),
+]
+# The fused expert tensors of gpt-oss checkpoints (models/hf/fused_experts.FusedExpertsReader).
+FUSED_EXPERTS = {"gpt_oss": ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias",
+                             "mlp.experts.down_proj", "mlp.experts.down_proj_bias")}
+# Those an export may write as MXFP4 blocks and scales (scripts/convert.py --experts mxfp4).
+MXFP4_EXPERTS = {"gpt_oss": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
 
 _LINEAR = "model.layers.{layer}.linear_attn."
 # Gated DeltaNet hybrids (Qwen3-Next): linear attention in most layers, gated full attention in
@@ -161,6 +187,7 @@ TABLES: Dict[str, List[Row]] = {
     "qwen3_next": [_EMBED, *_HYBRID_ATTENTION, *_GATED_SHARED_MOE_MLP, *_FINAL],
     "qwen3_5_moe": _text_model([_EMBED, *[_QWEN35_IN_PROJ if row.transform == "qkvzba" else row
                                           for row in _HYBRID_ATTENTION], *_GATED_SHARED_MOE_MLP, *_FINAL]),
+    "gpt_oss": [_EMBED, *_GPT_OSS, *_FINAL],
 }
 
 # The critic's head has no counterpart in a causal-LM checkpoint; HF token-classification value
@@ -171,7 +198,7 @@ VALUE_HEAD = Row("output_layer.weight", ("score.weight",))
 def _applies(row: Row, arch: ModelArch) -> bool:
     return {"always": True, "untied": not arch.tie_embeddings, "qkv_bias": arch.qkv_bias,
             "qk_norm": arch.qk_norm, "q_lora": arch.q_lora_rank > 0,
-            "no_q_lora": arch.q_lora_rank == 0}[row.when]
+            "no_q_lora": arch.q_lora_rank == 0, "sinks": arch.attention_sinks}[row.when]
 
 
 def _in_layer(row: Row, arch: ModelArch, layer: int) -> bool:
@@ -267,6 +294,10 @@ def to_megatron(arch: ModelArch, entry: Entry, hf: List[torch.Tensor], tp: int) 
         return wt.merge_gate_up(*hf)
     if entry.transform == "vocab":
         return wt.pad_vocab(hf[0], padded_vocab_size(arch.vocab_size, tp))
+    if entry.transform == "gate_up_interleaved":
+        return wt.merge_interleaved_gate_up(hf[0])
+    if entry.transform == "transpose":
+        return wt.transpose(hf[0])
     return hf[0]
 
 
@@ -285,6 +316,10 @@ def to_hf(arch: ModelArch, entry: Entry, tensor: torch.Tensor) -> Dict[str, torc
         parts = wt.split_gate_up(tensor)
     elif entry.transform == "vocab":
         parts = [wt.unpad_vocab(tensor, arch.vocab_size)]
+    elif entry.transform == "gate_up_interleaved":
+        parts = wt.split_interleaved_gate_up(tensor)
+    elif entry.transform == "transpose":
+        parts = [wt.transpose(tensor)]
     else:
         parts = [tensor]
     return dict(zip(entry.hf, parts))

@@ -98,3 +98,20 @@ def split_qkvzba(in_proj: torch.Tensor, key_heads: int, value_heads: int, key_di
                         in_proj.split([qk, qk, vd, vd, value_heads, value_heads], dim=0))
     return [torch.cat([q, k, v, z], dim=1).reshape(-1, *rest).contiguous(),
             torch.cat([b, a], dim=1).reshape(-1, *rest).contiguous()]
+
+
+def merge_interleaved_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's one expert gate_up [H, 2F] (x @ W; columns gate, up, gate, up, ...) or its bias
+    [2F] -> Megatron linear_fc1 [2F, H] (or [2F]): the gate rows, then the up rows."""
+    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+    return torch.cat([gate, up], dim=-1).transpose(0, -1).contiguous()
+
+
+def split_interleaved_gate_up(fc1: torch.Tensor) -> List[torch.Tensor]:
+    gate, up = fc1.transpose(0, -1).chunk(2, dim=-1)
+    return [torch.stack([gate, up], dim=-1).reshape(*gate.shape[:-1], -1).contiguous()]
+
+
+def transpose(weight: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's one expert down [F, H] (x @ W) <-> Megatron linear_fc2 [H, F]; its own inverse."""
+    return weight.transpose(0, 1).contiguous()

