@@ -51,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUND = {"cuda": 0.10, "cpu": 0.15}
 PHASES = ("old_logprobs", "actor_update")
 # name -> (tiny family, slice fields, {widths: (sequences, length, micro-batch tokens)}). Real
-# widths: micro-batches of 8K / 4K tokens, two per step; updates planned at 68.5 GB and 94.8 GB on
+# widths: micro-batches of 8K / 4K tokens, two per step; updates planned at 66.4 GB and 89.2 GB on
 # CUDA without Transformer Engine (H200: 150 GB).
 SLICES = {
     "qwen3-30b-a3b": ("qwen3_moe", dict(num_hidden_layers=4),

@@ -7,9 +7,7 @@ import pytest
 from tests.conftest import DEEPSEEK_MODELS, HYBRID_MODELS, MODELS, MOE_MODELS, selected_params
 from tests.launch import by_layout, run
 
-# One KV head cannot be split over tp=2; gpt-oss's biased experts need etp=1, and tp=2 with
-# etp=1 and ep=1 leaves every MoE family's expert gradients unreduced in Megatron-Core (measured
-# on Qwen3-MoE): gpt-oss's TP2 case is tp2_ep2_etp1.
+# One KV head cannot be split over tp=2; gpt-oss's biased experts need etp=1 (its tp2_etp1 case).
 TP_OK = [m for m in MODELS if m not in ("qwen2_gqa1", "gpt_oss")]
 # The DeepSeek-style families at the layouts their issue names (all 2-rank, so cheap); context
 # parallelism and the 4-rank layouts stay with the other families.
@@ -24,6 +22,9 @@ LAYOUTS = {
     "cp2": (2, {"cp": 2}, OTHERS),
     "ep2": (2, {"ep": 2}, MOE_MODELS),
     "tp2_ep2_etp1": (2, {"tp": 2, "ep": 2, "etp": 1}, MOE_MODELS),
+    # experts whole on both TP ranks, each running its share of the tokens: their gradients summed
+    # over the expert-data-parallel group (builder.mark_expert_params; Megatron alone did not at ep=1)
+    "tp2_etp1": (2, {"tp": 2, "etp": 1}, ["qwen3_moe", "gpt_oss"]),
     "pp2_vpp2": (2, {"pp": 2, "vpp": 2}, ["llama_tied", "qwen3_moe", *DEEPSEEK_MODELS]),
     # uneven stages (DeepSeek-V3's 61 layers split no other way): the dense layer alone first
     "pp2_first1": (2, {"pp": 2, "first_stage_layers": 1}, DEEPSEEK_MODELS),

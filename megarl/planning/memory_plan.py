@@ -157,7 +157,7 @@ def _in_flight(dims: ParallelDims, stage: int) -> int:
     return (dims.pp - stage - 1) * 2 + (dims.vpp - 1) * dims.pp + 1
 
 
-def _state(held: HeldParams, model: TrainedModel, request: MemoryRequest) -> Dict[str, float]:
+def state_bytes(held: HeldParams, model: TrainedModel, request: MemoryRequest) -> Dict[str, float]:
     """Parameters, gradients, optimizer state (device, host) and the optimizer step's transient of
     one trained model on a rank."""
     dims = request.dims
@@ -265,7 +265,7 @@ def plan_memory(request: MemoryRequest) -> List[StagePlan]:
                 terms.update({f"{name}_{k}": 0.0 for k in MODEL_TERMS})
                 continue
             models[name] = held[stage]
-            terms.update({f"{name}_{k}": v for k, v in _state(held[stage], model, request).items()})
+            terms.update({f"{name}_{k}": v for k, v in state_bytes(held[stage], model, request).items()})
             act = _activations(request, model, stage, logits=name == "actor")
             terms.update({f"{name}_{k}": act[k] for k in ("activations", "forward_layer", "logits",
                                                           "logprob_forward", "logprob_train")})

@@ -1,7 +1,7 @@
 """Today's memory plan against a GPU's recorded measurement of bench/memory_slice.py's slices
 (docs/gpu/<gpu>_<date>.json): each slice planned with the layer spec and the Adam that ran there,
 and the terms megarl has changed since that run (the record's `then`: the log-prob head, the
-finite check before the optimizer step) put back as they were, so that everything else in the
+finite check before the optimizer step, the experts' optimizer at ep=1) put back as they were, so that everything else in the
 plan is checked against the GPU like for like.
 
 Owns reading such a record and that comparison; tests/test_memory_plan.py holds the plan to it,
@@ -11,6 +11,7 @@ Does not own the plan (planning/memory_plan.py) or the measurement (bench/memory
 
 import json
 import os
+from dataclasses import replace
 from typing import Dict
 
 from megarl.models.hf.config import DTYPES, arch_from_hf_config
@@ -67,6 +68,10 @@ def replayed_peaks(record: dict, name: str) -> Dict[str, float]:
     shard = padded_vocab_size(arch.vocab_size, 1)
     for phase, backward in (("logprob_forward", False), ("logprob_train", True)):
         terms[f"actor_{phase}"] = then_head_bytes(then["logprob_head"], tokens, shard, logits_bytes, backward)
+    if then.get("experts_with_dense_at_ep1") and request.dims.ep == 1:
+        # One DDP buffer and one optimizer held experts and dense parameters alike then.
+        held = replace(held, dense=held.elements, expert=0)
+        terms["actor_step"] = mp.state_bytes(held, request.actor, request)["step"]
     # The finite check ran over each DDP gradient buffer (dense parameters' and experts') in turn.
     finite = then["finite_check_bytes_per_gradient_element"] * max(held.dense, held.expert)
     terms["actor_step"] = max(terms["actor_step"], finite)

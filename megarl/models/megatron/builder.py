@@ -61,7 +61,20 @@ def _chunk(arch: ModelArch, dims: ParallelDims, role: str, config, use_te: bool,
         model.cuda()
     if not config.perform_initialization:
         mark_tensor_parallel_params(model)
+    mark_expert_params(model)
     return model
+
+
+def mark_expert_params(model: torch.nn.Module) -> None:
+    """Routed experts' parameters belong to the expert-data-parallel group whatever the layout.
+    Megatron-Core 0.16 marks them so (allreduce=False) only when ep > 1; at ep=1 with etp < tp
+    their gradients were then reduced over the data-parallel group alone, not over the TP ranks
+    that each ran the same experts on their own share of the tokens (Qwen3-MoE's expert gradients
+    off by 100% at tp=2, etp=1: scripts/verify_conversion.py --grads), and gradient clipping
+    counted each replica again. At ep=1 and etp=tp the two groups are the same ranks."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 # Split dimension of each Megatron-Core parallel layer's weight and bias (None: replicated bias).
