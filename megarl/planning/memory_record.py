@@ -1,8 +1,8 @@
 """Today's memory plan against a GPU's recorded measurement of bench/memory_slice.py's slices
 (docs/gpu/<gpu>_<date>.json): each slice planned with the layer spec and the Adam that ran there,
 and the terms megarl has changed since that run (the record's `then`: the log-prob head, the
-finite check before the optimizer step, the experts' optimizer at ep=1) put back as they were, so that everything else in the
-plan is checked against the GPU like for like.
+finite check before the optimizer step, the experts' optimizer at ep=1) put back as they were, so
+that everything else in the plan is checked against the GPU like for like.
 
 Owns reading such a record and that comparison; tests/test_memory_plan.py holds the plan to it,
 tests/test_presets.py takes the presets' margin from it, bench/memory_slice.py --replay prints it.
