@@ -299,6 +299,15 @@ def test_a_kind_the_family_lacks_is_refused_naming_its_kinds(hf_models):
         chosen_kinds(qwen3, LoraConfig(rank=4, targets=("expert_fc1",)))
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "qwen3_5_moe"])
+def test_lora_on_the_2026_families_is_refused_naming_the_fix(family, hf_models):
+    from megarl.models.hf.config import load_arch
+    from megarl.models.lora.adapters import LoraConfig, chosen_kinds
+
+    with pytest.raises(ValueError, match=rf"not supported yet for the {family} family; set actor.lora.rank=0"):
+        chosen_kinds(load_arch(hf_models[family]), LoraConfig(rank=4))
+
+
 def test_expert_slices_follow_peft_s_own_delta():
     """A routed expert's (A, B) cut from PEFT's fused-parameter adapter gives the delta PEFT's
     ParamWrapper computes for that expert, and stacking the slices gives the tensors back."""
