@@ -304,7 +304,8 @@ def test_lora_on_the_2026_families_is_refused_naming_the_fix(family, hf_models):
     from megarl.models.hf.config import load_arch
     from megarl.models.lora.adapters import LoraConfig, chosen_kinds
 
-    with pytest.raises(ValueError, match=rf"not supported yet for the {family} family; set actor.lora.rank=0"):
+    refusal = rf"not supported yet for the {family} family; set actor.lora.rank=0"
+    with pytest.raises(ValueError, match=refusal):
         chosen_kinds(load_arch(hf_models[family]), LoraConfig(rank=4))
 
 
