@@ -15,8 +15,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -102,14 +100,11 @@ def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tm
     colocated, disaggregated = tmp_path / "colocated", tmp_path / "disaggregated"
     one_rank = {**one_rank_env(), "OMP_NUM_THREADS": "1"}  # as torchrun sets it
     # The two runs at once: most of a 2-step run is start-up, and either one alone leaves a core idle.
-    command = [sys.executable, os.path.join(ROOT, SCRIPT),
-               *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *DYNAMIC, *_held_out(tail_inputs, 8))]
-    reference = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **one_rank}, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
-    run(SCRIPT, *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=2",
-                       "async.max_staleness=0", *DYNAMIC, *_held_out(tail_inputs, 8)), nproc=3, timeout=900)
-    output, _ = reference.communicate(timeout=900)
-    assert reference.returncode == 0, output[-4000:]
+    held_out = _held_out(tail_inputs, 8)
+    finish(start(SCRIPT, *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *DYNAMIC, *held_out),
+                 timeout=900, env=one_rank),
+           start(SCRIPT, *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=2",
+                                "async.max_staleness=0", *DYNAMIC, *held_out), nproc=3, timeout=900))
     sync, async_ = (sorted(_steps(d), key=lambda row: row["step"]) for d in (colocated, disaggregated))
     assert [s["step"] for s in sync] == [a["step"] for a in async_] == [0, 1, 2]
     for s, a in zip(sync, async_):
@@ -146,12 +141,10 @@ def _check_bounds(steps, staleness: int) -> None:
 FAST_TRAINER = ("algo.advantage=grpo", "algo.kl_reward_coeff=0")
 
 
-def _torchrun(inputs, run_dir, *extra) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               os.path.join(ROOT, SCRIPT),
-               *_args(inputs, run_dir, "layout.rollout_world_size=1", *FAST_TRAINER, *extra)]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT})  # the reward above, in its pool
+def _torchrun(inputs, run_dir, *extra):
+    """The run begun on 2 ranks (tests/launch.start); its CompletedProcess, whatever its exit code."""
+    return start(SCRIPT, *_args(inputs, run_dir, "layout.rollout_world_size=1", *FAST_TRAINER, *extra),
+                 nproc=2, timeout=900, check=False, env={"PYTHONPATH": ROOT})  # the reward above, in its pool
 
 
 @pytest.fixture(scope="module")
@@ -172,13 +165,14 @@ def staleness_runs(tail_models, tmp_path_factory):
                        *_held_out(tail_inputs, 4, f"eval.sets.heldout.reward={SLOW_REWARD}"))
     deadline = time.time() + 600
     while not (killed / "metrics.jsonl").exists() or len(_steps(killed)) < 2:
-        assert first.poll() is None and time.time() < deadline, "the run ended before step 2"
+        assert not first.done() and time.time() < deadline, "the run ended before step 2"
         time.sleep(0.2)
     (engine,) = re.findall(r"rollout engine process (\d+) \(generation 0\) started",
                            (killed / "logs" / "rank1.log").read_text())
     os.kill(int(engine), signal.SIGKILL)
-    done = {name: (run_dir, *proc.communicate(timeout=600)[:1], proc.returncode)
-            for name, run_dir, proc in (("killed", killed, first), ("restarted", restarted, second))}
+    ended = finish(first, second)
+    done = {name: (run_dir, proc.stdout + proc.stderr, proc.returncode)
+            for name, run_dir, proc in zip(("killed", "restarted"), (killed, restarted), ended)}
     return done, engine
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from tests.conftest import ODD_LAYER_MODELS, selected_params
-from tests.launch import in_background, kill_tree, last_json, run
+from tests.launch import in_background, last_json, run, spawn
 
 # The engine's synced tensors against vLLM's own loader's: exactly equal (dense models: on the
 # CPU, vLLM's reload leaves MoE experts unprepared; megarl/checks/loader_parity.py).
@@ -225,22 +225,16 @@ def test_a_killed_run_does_not_break_the_next(hf_models):
     """kill -9 during a rollout-TP2 run leaves vLLM's CPU shared-memory segments behind; the
     next run cleans them up and runs (before segments were named per launch, vllm_cpu_fixes.
     per_launch_shm_names, a leftover made it fail with errno 17)."""
-    import subprocess
-    import sys
     import time
 
     from megarl.rollout.vllm import cpu_fixes as vllm_cpu_fixes
     args = ["--hf-dir", hf_models["qwen3"], "--tp", "2", "--rollout-tp", "2"]
-    victim = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "scripts/verify_sync.py", *args],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    victim = spawn("scripts/verify_sync.py", *args, nproc=2)  # its kill: SIGKILL of every process of it
     deadline = time.time() + 300
     while time.time() < deadline and not any(
             "cpushm" in name for name in os.listdir(vllm_cpu_fixes.SHM_DIR)):
         time.sleep(0.5)
-    kill_tree(victim)
+    victim.kill()
     time.sleep(1)
     assert any("cpushm" in name for name in os.listdir(vllm_cpu_fixes.SHM_DIR))
     result = last_json(run("scripts/verify_sync.py", *args, nproc=2, timeout=900))
