@@ -1,0 +1,92 @@
+"""Block-FP8 weights as DeepSeek-V3, Kimi-K2 and the Qwen3 `-FP8` releases publish them.
+
+A 2-D weight [m, n] is stored as float8 e4m3 codes of the same shape plus one fp32 scale per
+128 x 128 block (`weight_scale_inv`, [ceil(m/128), ceil(n/128)]; the last blocks along each
+dimension may be partial). Dequantized, a code times its block's scale is the weight.
+
+Owns: the quantizer and the dequantizer (pure functions) and reading the config's
+`quantization_config`. Does not own which tensors a checkpoint quantizes (models/weights/
+tables.py) or streaming shards (safetensors_reader.py).
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+BLOCK = (128, 128)
+# Where a zero block's scale would be 0 (and its codes 0/0), the reference clamps amax: the
+# codes of a zero block stay 0 and its scale is 1e-4 / 448.
+AMAX_FLOOR = 1e-4
+
+
+def _blocks(shape: Tuple[int, int], block: Tuple[int, int]) -> Tuple[int, int]:
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def quantize(weight: torch.Tensor, block: Tuple[int, int] = BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale_inv) of a 2-D weight, bit for bit DeepGEMM's per_block_cast_to_fp8 (the
+    quantizer vLLM, slime and Miles use at weight sync): per block, scale = max(amax, 1e-4) / 448
+    in fp32, codes = round-to-nearest e4m3 of weight * (1 / scale)."""
+    if weight.dim() != 2:
+        raise ValueError(f"block FP8 quantizes 2-D weights; got shape {tuple(weight.shape)}")
+    m, n = weight.shape
+    rows, cols = _blocks((m, n), block)
+    padded = weight.new_zeros(rows * block[0], cols * block[1])
+    padded[:m, :n] = weight
+    view = padded.view(rows, block[0], cols, block[1])
+    amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    codes = (view * (1.0 / scale)).to(FP8_DTYPE)
+    return codes.view_as(padded)[:m, :n].contiguous(), scale.view(rows, cols)
+
+
+def dequantize(codes: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+               block: Tuple[int, int] = BLOCK) -> torch.Tensor:
+    """The weight a block-FP8 tensor stands for: each code times its block's scale, in fp32,
+    then cast to `dtype`."""
+    if codes.dim() != 2:
+        raise ValueError(f"block FP8 weights are 2-D; got codes of shape {tuple(codes.shape)}")
+    expected = _blocks(tuple(codes.shape), block)
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"weight_scale_inv of shape {tuple(scale_inv.shape)} does not match codes "
+                         f"of shape {tuple(codes.shape)} in {block[0]}x{block[1]} blocks (expected "
+                         f"{expected}); the checkpoint's weight_block_size differs from its tensors")
+    m, n = codes.shape
+    scales = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:m, :n]
+    return (codes.float() * scales).to(dtype)
+
+
+def block_size(quantization_config: Optional[Dict]) -> Optional[Tuple[int, int]]:
+    """The block size of a block-FP8 checkpoint's quantization_config; None when unquantized.
+    Any other format is refused, naming it and what to do."""
+    if not quantization_config:
+        return None
+    method = quantization_config.get("quant_method")
+    if method != "fp8":
+        advice = {
+            "compressed-tensors": "compressed-tensors checkpoints (e.g. Kimi-K2-Thinking's INT4 "
+                                  "W4A16) are not read yet: dequantize to bf16 first",
+            "mxfp4": "MXFP4 is gpt-oss's format and read for gpt-oss only",
+        }.get(method, "megarl reads block-FP8 (quant_method fp8 with weight_block_size) or "
+                      "unquantized checkpoints: dequantize to bf16 first")
+        raise ValueError(f"config.json quantization_config.quant_method = {method!r} is not "
+                         f"supported: {advice}")
+    fmt = quantization_config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"config.json quantization_config.fmt = {fmt!r} is not supported: block "
+                         "FP8 checkpoints are read in e4m3 only")
+    size = quantization_config.get("weight_block_size")
+    if not size:
+        raise ValueError("config.json quantization_config has quant_method 'fp8' but no "
+                         "weight_block_size: per-tensor and per-channel FP8 are not read yet, "
+                         "only block FP8 (weight_block_size [128, 128]); dequantize to bf16 first")
+    if len(size) != 2 or any(int(s) <= 0 for s in size):
+        raise ValueError(f"config.json quantization_config.weight_block_size = {size!r}: expected "
+                         "two positive sizes, e.g. [128, 128]")
+    scheme = quantization_config.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"config.json quantization_config.activation_scheme = {scheme!r} is not "
+                         "supported: block FP8 with static activation scales is not read yet")
+    return int(size[0]), int(size[1])
