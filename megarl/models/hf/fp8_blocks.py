@@ -90,3 +90,28 @@ def block_size(quantization_config: Optional[Dict]) -> Optional[Tuple[int, int]]
         raise ValueError(f"config.json quantization_config.activation_scheme = {scheme!r} is not "
                          "supported: block FP8 with static activation scales is not read yet")
     return int(size[0]), int(size[1])
+
+
+# Tensors a block-FP8 checkpoint keeps in bf16 whatever its modules_to_not_convert says: the
+# embeddings, the output layer (lm_head; DeepSeek's MTP shared_head.head), the norms, the routers.
+_KEPT_IN_BF16 = ("embed_tokens.", "lm_head.", "shared_head.head.", "norm.", "layernorm.",
+                 "mlp.gate.")
+
+
+def is_quantized(name: str, shape: Tuple[int, ...], quantization_config: Dict) -> bool:
+    """Whether the block-FP8 checkpoint of `quantization_config` stores the HF tensor `name` as
+    codes + `NAME_scale_inv`: the 2-D linear weights, except the bf16 tensors above and the
+    modules the config lists in modules_to_not_convert (DeepSeek's and Qwen3's `-FP8` configs
+    name lm_head and the routers there)."""
+    if not name.endswith(".weight") or len(shape) != 2:
+        return False
+    module = name[:-len(".weight")]
+    if any(part in name for part in _KEPT_IN_BF16):
+        return False
+    skipped = quantization_config.get("modules_to_not_convert") or []
+    return not any(module == s or module.startswith(s + ".") or module.endswith("." + s) for s in skipped)
+
+
+def scale_name(name: str) -> str:
+    """The scale tensor beside a quantized weight: `X.weight` -> `X.weight_scale_inv`."""
+    return name + "_scale_inv"
