@@ -152,5 +152,7 @@ def test_container_recipe_installs_the_gpu_lock_as_make_does():
     assert "CPATH=$nv/cudnn/include:$nv/nccl/include" in recipe
     assert re.search(te_step, recipe)
     assert "install_check.py cuda" in recipe and "/opt/megarl/venv" in recipe
+    # the python tool's code sandbox runs under bwrap, as `make install` provides it
+    assert re.search(r"apt-get install[^&]*\bbubblewrap\b", recipe)
     with open(os.path.join(ROOT, "scripts", "slurm", "env.sh")) as f:
         assert "/opt/megarl/venv/bin/python" in f.read()  # where the sbatch scripts look in it
