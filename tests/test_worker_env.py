@@ -8,12 +8,14 @@ from megarl.trainer.worker_env import gloo_interface, node_interfaces, route_add
 DRIVER = {"NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_SOCKET_IFNAME": "ib0", "TORCH_NCCL_BLOCKING_WAIT": "1",
           "UCX_NET_DEVICES": "mlx5_0:1", "NVTE_FUSED_ATTN": "0", "GLOO_SOCKET_IFNAME": "eth0",
           "MEGARL_DEVICE": "cuda", "MEGARL_TRANSFORMER_ENGINE": "off", "HOME": "/home/u", "PATH": "/usr/bin",
-          "CUDA_VISIBLE_DEVICES": "0", "MY_NCCL_NOTE": "x", "SLURM_JOB_ID": "7"}
+          "CUDA_VISIBLE_DEVICES": "0", "MY_NCCL_NOTE": "x", "SLURM_JOB_ID": "7", "WANDB_MODE": "online",
+          "WANDB_API_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t", "MY_WANDB_NOTE": "y"}
 
 
 def test_network_and_device_settings_reach_workers_and_nothing_else():
     forwarded = {"NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "TORCH_NCCL_BLOCKING_WAIT", "UCX_NET_DEVICES",
-                 "NVTE_FUSED_ATTN", "GLOO_SOCKET_IFNAME", "MEGARL_DEVICE", "MEGARL_TRANSFORMER_ENGINE"}
+                 "NVTE_FUSED_ATTN", "GLOO_SOCKET_IFNAME", "MEGARL_DEVICE", "MEGARL_TRANSFORMER_ENGINE",
+                 "WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN"}
     assert worker_env(DRIVER, gpus=False) == {name: DRIVER[name] for name in forwarded}
     # a node's own paths and device list are the raylet's, not the driver's
     on_gpus = worker_env(DRIVER, gpus=True)

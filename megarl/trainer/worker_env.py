@@ -14,9 +14,11 @@ import socket
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 # NCCL and its network plugins (InfiniBand, UCX), PyTorch's NCCL and gloo knobs, Transformer
-# Engine's switches, and megarl's own device and Transformer Engine choices.
+# Engine's switches, megarl's own device and Transformer Engine choices, and the trackers' (rank 0
+# logs from a worker: WANDB_MODE online and its API key, or MLflow's tracking credentials, set
+# where the trainer was started, must reach it).
 PREFIXES = ("NCCL_", "TORCH_NCCL_", "UCX_", "NVTE_", "GLOO_SOCKET_IFNAME", "MEGARL_DEVICE",
-            "MEGARL_TRANSFORMER_ENGINE")
+            "MEGARL_TRANSFORMER_ENGINE", "WANDB_", "MLFLOW_")
 
 
 def worker_env(environ: Mapping[str, str], gpus: bool) -> Dict[str, str]:
