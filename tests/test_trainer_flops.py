@@ -24,9 +24,11 @@ from megarl.planning.flops import (
 )
 from tests.published_configs import (
     DEEPSEEK_V3,
+    GPT_OSS_120B,
     MIXTRAL_8X7B,
     PUBLISHED_ACTIVE_PARAMS,
     QWEN3_30B_A3B,
+    QWEN35_397B_A17B,
 )
 
 FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
@@ -121,6 +123,15 @@ def test_active_parameters_match_the_model_cards(key, published):
     arch = arch_from_hf_config(published)
     with_embedding = matmul_params(arch) + arch.vocab_size * arch.hidden_size
     assert with_embedding == pytest.approx(PUBLISHED_ACTIVE_PARAMS[key], rel=0.02)
+
+
+def test_active_parameters_of_gpt_oss_and_a_hybrid():
+    """gpt-oss-120b's model card counts 5.13B active parameters without the embedding (its
+    unembedding counted); Qwen3.5-397B-A17B's name says 17B with it (Gated DeltaNet layers' own
+    projections and convolution, the gated attention's wider q, the shared expert and its gate)."""
+    gpt_oss, hybrid = arch_from_hf_config(GPT_OSS_120B), arch_from_hf_config(QWEN35_397B_A17B)
+    assert matmul_params(gpt_oss) == pytest.approx(5.13e9, rel=0.005)
+    assert matmul_params(hybrid) + hybrid.vocab_size * hybrid.hidden_size == pytest.approx(17e9, rel=0.03)
 
 
 def test_phases_of_a_step_count_backward_and_epochs(hf_models):
