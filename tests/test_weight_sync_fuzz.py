@@ -160,15 +160,22 @@ def describe(case: dict, hf_dir: str = "DIR") -> str:
             f"--hf-dir {hf_dir} --perturb 0.05 {' '.join(case['flags'])}")
 
 
-def launch_case(key, folder) -> tuple:
-    """(the case, how to reproduce it, scripts/verify_sync.py's finished process, and for a bf16
-    case (samples after the sync, a fresh engine's samples); else None) for CASES entry `key`."""
+def checkpoint(key, folder) -> str:
+    """CASES entry `key`'s tiny checkpoint in folder/hf. Made in the test's own thread:
+    transformers' lazy imports fail when two threads trigger them at once (an AttributeError on
+    CONFIG_MAPPING, seen with two cases launched side by side)."""
     from megarl.demo.tiny_checkpoint import make_tiny_checkpoint
 
     case = case_of(key)
     dtype = "bfloat16" if case["family"] in BF16 else "float32"
-    hf_dir = make_tiny_checkpoint(case["family"], str(folder / "hf"), seed=case["seed"], dtype=dtype,
-                                  **case["fields"])
+    return make_tiny_checkpoint(case["family"], str(folder / "hf"), seed=case["seed"], dtype=dtype,
+                                **case["fields"])
+
+
+def launch_case(key, folder, hf_dir: str) -> tuple:
+    """(the case, how to reproduce it, scripts/verify_sync.py's finished process, and for a bf16
+    case (samples after the sync, a fresh engine's samples); else None) for CASES entry `key`."""
+    case = case_of(key)
     proc = run("scripts/verify_sync.py", "--hf-dir", hf_dir, "--perturb", "0.05", *case["flags"],
                *_sync_flags(case, folder), nproc=case["world"], timeout=900, check=False)
     fresh = None
@@ -191,12 +198,14 @@ def _side_by_side(case: dict) -> bool:
 def synced(request, tmp_path_factory):
     """synced(seed): launch_case's result. The selected cases _side_by_side allows are launched
     together first (with SEEDS: a one-rank case beside a two-rank one), the others in their tests."""
-    side_by_side = {seed: in_background(launch_case, seed, tmp_path_factory.mktemp(f"sync_{seed}"))
-                    for seed in sorted(selected_params(request, "seed"), key=str)
+    def begin(seed):
+        folder = tmp_path_factory.mktemp(f"sync_{seed}")
+        return in_background(launch_case, seed, folder, checkpoint(seed, folder))
+
+    side_by_side = {seed: begin(seed) for seed in sorted(selected_params(request, "seed"), key=str)
                     if _side_by_side(case_of(seed))}
     concurrent.futures.wait(side_by_side.values())
-    return lambda seed: (side_by_side[seed].result() if seed in side_by_side
-                         else launch_case(seed, tmp_path_factory.mktemp(f"sync_{seed}")))
+    return lambda seed: (side_by_side[seed] if seed in side_by_side else begin(seed)).result()
 
 
 @pytest.mark.parametrize("seed", CASES)
