@@ -12,13 +12,14 @@ wrong blocks (measured on qwen3_moe_fp8's 192-row experts: 0.05 off) and refuses
 """
 
 import json
+import math
 import os
 import shutil
 
 import pytest
 import torch
 
-from tests.launch import by_layout, run
+from tests.launch import by_layout, last_json, run
 
 FP8_MODELS = ["deepseek_v3_fp8", "qwen3_moe_fp8"]
 # One 4-rank launch checks both layouts: TP2xEP2 as the issue names it, and PP2 (with TP2).
@@ -60,14 +61,27 @@ def fp8_dirs(tmp_path_factory):
             for name in FP8_MODELS}
 
 
+# Large enough that a shard outweighs the interpreter's own noise (about 10 MB), with partial edge
+# blocks (2880 = 22.5 x 128): 8 layers of 11.8M weights in three shards of up to 36.5 MB.
+MEMORY_MODEL = dict(dtype="bfloat16", fp8=True, hidden_size=1024, num_attention_heads=16,
+                    num_key_value_heads=8, intermediate_size=2880, num_hidden_layers=8)
+
+
 @pytest.fixture(scope="module")
 def fp8_models(fp8_dirs, tmp_path_factory):
-    """{name: (FP8 HF dir, its vLLM-dequantized copy, Megatron dir converted at PP2)}: one
-    2-rank launch of the converter's function, each rank a pipeline stage."""
+    """{name: (FP8 HF dir, its vLLM-dequantized copy, Megatron dir converted at PP2)}, and under
+    "memory" (HF dir, Megatron dir, each rank's peak RSS while converting): one 2-rank launch of
+    the converter's function, each rank a pipeline stage. The memory model converts last, so the
+    launch's one-time costs (imports, the checkpoint writer's) are behind it."""
+    from megarl.demo.tiny_checkpoint import make_named
+
     root = tmp_path_factory.mktemp("fp8_megatron")
     models = {name: (hf, reference, str(root / name)) for name, (hf, reference) in fp8_dirs.items()}
     jobs = [["hf_to_megatron", hf, megatron] for hf, _, megatron in models.values()]
-    run("tests/workers/convert_models.py", "--jobs", json.dumps(jobs), nproc=2, timeout=900)
+    big = make_named("qwen3", str(root / "memory.hf"), **MEMORY_MODEL)
+    jobs.append(["hf_to_megatron_peak_rss", big, str(root / "memory")])
+    proc = run("tests/workers/convert_models.py", "--jobs", json.dumps(jobs), nproc=2, timeout=900)
+    models["memory"] = (big, str(root / "memory"), last_json(proc)["peak_rss"])
     return models
 
 
@@ -86,6 +100,28 @@ def test_fp8_checkpoint_converts_and_matches_transformers(results, layout, model
     assert summary["max_abs_logprob_diff"] <= 1e-4, summary
     assert summary["loss_rel_diff"] <= 1e-5, summary
     assert summary["max_grad_rel_diff"] <= 5e-5, summary
+
+
+def test_peak_memory_is_one_shard_plus_the_rank_s_megatron_shard(fp8_models):
+    """Each rank's peak RSS while converting a 3-shard FP8 checkpoint at PP2, above what it held
+    before, is at most the largest shard's tensors dequantized into the training dtype (bf16:
+    twice the FP8 bytes) plus the rank's Megatron shard (its .distcp files). Holding every shard
+    it reads mapped, or a dequantized copy of a shard, goes over."""
+    from safetensors import safe_open
+
+    hf, megatron, peaks = fp8_models["memory"]
+    shard_bytes = []
+    for name in (f for f in os.listdir(hf) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(hf, name), framework="pt") as handle:
+            shard_bytes.append(sum(2 * math.prod(handle.get_slice(t).get_shape())  # bf16
+                                   for t in handle.keys() if not t.endswith("_scale_inv")))
+    largest = max(shard_bytes)
+    for rank, peak in enumerate(peaks):
+        mine = sum(os.path.getsize(os.path.join(megatron, f)) for f in os.listdir(megatron)
+                   if f.startswith(f"__{rank}_") and f.endswith(".distcp"))
+        assert peak <= largest + mine, (f"rank {rank}: peak RSS +{peak / 2**20:.1f} MiB > largest shard "
+                                        f"{largest / 2**20:.1f} MiB (bf16) + Megatron shard "
+                                        f"{mine / 2**20:.1f} MiB")
 
 
 @pytest.mark.parametrize("model", FP8_MODELS)
