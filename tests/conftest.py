@@ -49,6 +49,7 @@ TIERS = {
     "test_docs": UNIT,  # README.md and docs/*.md: length, links, anchors, config keys
     "test_dynamic_sampling": UNIT,
     "test_fp8_checkpoints": (DISTRIBUTED, {"test_reader_dequantizes_as_vllm_does": UNIT,
+                                           "test_published_fp8_configs_are_read": UNIT,
                                            "test_other_formats_are_refused_by_name": UNIT}),
     "test_eval_config": UNIT,
     "test_eval_metrics": UNIT,

@@ -172,6 +172,23 @@ def _edit_config(hf: str, **fields) -> None:
         json.dump({**config, **fields}, f)
 
 
+@pytest.mark.parametrize("published", ["DEEPSEEK_V3", "KIMI_K2", "QWEN3_30B_A3B", "QWEN3_32B"])
+def test_published_fp8_configs_are_read(published):
+    """The published configs with the quantization_config their FP8 releases carry (DeepSeek-V3,
+    Kimi-K2 and the Qwen3 -FP8 ones: block FP8 e4m3, 128 x 128, dynamic activations) describe the
+    same model with its block size: the weights are dequantized on load, the model is bf16."""
+    import dataclasses
+
+    from megarl.demo.tiny_checkpoint import FP8_CONFIG
+    from megarl.models.hf.config import arch_from_hf_config
+    from tests import published_configs
+
+    config = getattr(published_configs, published)
+    arch = arch_from_hf_config({**config, "quantization_config": dict(FP8_CONFIG)})
+    assert arch.fp8_block == (128, 128) and arch.dtype == "bfloat16"
+    assert dataclasses.replace(arch, fp8_block=()) == arch_from_hf_config(config)
+
+
 REFUSED_FORMATS = {
     # name: (quantization_config, words the message must hold)
     "per-tensor FP8": ({"quant_method": "fp8", "activation_scheme": "dynamic"},
