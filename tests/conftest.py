@@ -202,8 +202,9 @@ TWO_RANK_CONVERSION = {"qwen3_moe", "llama_tied", "qwen2"}
 # give 1 and 2 (ParallelDims.fit_stages). In hf_models beside MODELS; megatron_models leaves them
 # out (tests/test_conversion.py converts the DeepSeek one with scripts/convert.py).
 ODD_LAYER_MODELS = {"deepseek_v3_3layers": "deepseek_v3", "llama_tied_3layers": "llama_tied"}
-# In hf_models only (tests/test_weight_sync.py): gpt-oss as published, its experts in MXFP4.
-HF_ONLY_MODELS = ["gpt_oss_mxfp4"]
+# In hf_models only (tests/test_weight_sync.py): gpt-oss as published, its experts in MXFP4, and
+# Qwen3-MoE in block FP8.
+HF_ONLY_MODELS = ["gpt_oss_mxfp4", "qwen3_moe_fp8"]
 
 
 @pytest.fixture(scope="session")
