@@ -72,9 +72,6 @@ class Fp8BlocksReader:
     def names(self) -> List[str]:
         return list(self.weight_map)
 
-    def _open(self, filename: str):  # FusedExpertsReader reads shapes from the headers
-        return self._reader._open(filename)
-
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self._scaled:
             return self._reader(name)
