@@ -50,6 +50,8 @@ TIERS = {
     "test_dynamic_sampling": UNIT,
     "test_fp8_checkpoints": (DISTRIBUTED, {"test_reader_dequantizes_as_vllm_does": UNIT,
                                            "test_published_fp8_configs_are_read": UNIT,
+                                           "test_transformers_own_fp8_read_is_the_reference_where_it_is_right":
+                                               UNIT,
                                            "test_other_formats_are_refused_by_name": UNIT}),
     "test_eval_config": UNIT,
     "test_eval_metrics": UNIT,

@@ -8,7 +8,9 @@ The reference is transformers on the FP8 checkpoint dequantized by vLLM's block_
 transformers loading the FP8 files itself: transformers 5.19's Fp8Dequantize takes the block
 size from the scale grid (rows // scale rows), so it dequantizes partial edge blocks with the
 wrong blocks (measured on qwen3_moe_fp8's 192-row experts: 0.05 off) and refuses DeepSeek-V3's
-576-row kv_a_proj_with_mqa ("not divisible by scale grid") outright.
+576-row kv_a_proj_with_mqa ("not divisible by scale grid") outright. Where it is right (no
+partial block after a whole one) transformers reading the FP8 files itself gives the reference's
+log-probs (test_transformers_own_fp8_read_is_the_reference_where_it_is_right).
 """
 
 import json
@@ -135,6 +137,26 @@ def test_reader_dequantizes_as_vllm_does(model, fp8_dirs):
     assert partial, "no partial edge block"
     kept = ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight")
     assert all(stored[n].dtype == torch.float32 and n + "_scale_inv" not in stored for n in kept)
+
+
+def test_transformers_own_fp8_read_is_the_reference_where_it_is_right(tmp_path):
+    """The tiny Qwen3-MoE's own sizes (experts of 64 rows: one partial block per dimension) are
+    what transformers dequantizes right: its forward on the FP8 files themselves equals its
+    forward on vLLM's dequantization of them, so the reference above is transformers' FP8 read
+    wherever that read is correct."""
+    import transformers
+
+    from megarl.checks.parity import fixed_tokens
+    from megarl.demo.tiny_checkpoint import make_named
+
+    hf = make_named("qwen3_moe", str(tmp_path / "fp8"), fp8=True)
+    tokens = fixed_tokens(250, 2, 16)
+    logits = []
+    for folder in (hf, vllm_dequantized(hf, str(tmp_path / "reference"))):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+    assert torch.equal(*logits)
 
 
 def _copy(hf: str, to: str) -> str:
