@@ -44,7 +44,8 @@ class Fp8BlocksReader:
     def _check_headers(self, where: str) -> None:
         """Every scaled weight is 2-D e4m3 with one scale per block, and no FP8 tensor lacks its
         scale: refused here, from the headers, before any tensor is read or written."""
-        for name in sorted(self.weight_map):
+        # shard by shard: the reader maps one shard at a time
+        for name in sorted(self.weight_map, key=lambda n: (self.weight_map[n], n)):
             codes = self._header(name)
             fp8 = codes.get_dtype() in _FP8_HEADER_DTYPES
             if name not in self._scaled:
