@@ -48,6 +48,11 @@ TIERS = {
     "test_device_memory": UNIT,
     "test_docs": UNIT,  # README.md and docs/*.md: length, links, anchors, config keys
     "test_dynamic_sampling": UNIT,
+    "test_fp8_checkpoints": (DISTRIBUTED, {"test_reader_dequantizes_as_vllm_does": UNIT,
+                                           "test_published_fp8_configs_are_read": UNIT,
+                                           "test_transformers_own_fp8_read_is_the_reference_where_it_is_right":
+                                               UNIT,
+                                           "test_other_formats_are_refused_by_name": UNIT}),
     "test_eval_config": UNIT,
     "test_eval_metrics": UNIT,
     "test_evaluate_script": UNIT,
@@ -199,8 +204,9 @@ TWO_RANK_CONVERSION = {"qwen3_moe", "llama_tied", "qwen2"}
 # give 1 and 2 (ParallelDims.fit_stages). In hf_models beside MODELS; megatron_models leaves them
 # out (tests/test_conversion.py converts the DeepSeek one with scripts/convert.py).
 ODD_LAYER_MODELS = {"deepseek_v3_3layers": "deepseek_v3", "llama_tied_3layers": "llama_tied"}
-# In hf_models only (tests/test_weight_sync.py): gpt-oss as published, its experts in MXFP4.
-HF_ONLY_MODELS = ["gpt_oss_mxfp4"]
+# In hf_models only (tests/test_weight_sync.py): gpt-oss as published, its experts in MXFP4, and
+# Qwen3-MoE in block FP8.
+HF_ONLY_MODELS = ["gpt_oss_mxfp4", "qwen3_moe_fp8"]
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from tests.fp8_reference import vllm_dequantized
 from tests.launch import finish, load_script, start
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss",
@@ -61,6 +62,9 @@ def random_config(seed: int):
     if family == "gpt_oss":
         fields.update(gpt_oss_style(rng, fields))
     nproc = 2 if fields["num_hidden_layers"] >= 2 and rng.random() < 0.5 else 1
+    # Drawn last, so the earlier draws (and the cases the seeds name) stay as they were.
+    if family != "gpt_oss" and rng.random() < 0.4:
+        fields["fp8"] = True  # block FP8 as published (make_tiny_checkpoint's _to_fp8)
     return family, fields, nproc
 
 
@@ -131,11 +135,19 @@ def mtp_state(fields: dict) -> str:
     return "stored" if fields.get("mtp_weights", True) else "absent"
 
 
+def _partial_blocks(fields: dict) -> bool:
+    """Whether a dim of the case's weights ends in a partial 128-wide block after a whole one."""
+    dims = [fields[k] for k in ("hidden_size", "intermediate_size", "moe_intermediate_size") if fields.get(k)]
+    return any(d > 128 and d % 128 for d in dims)
+
+
 def test_ci_seeds_cover_mtp_states_and_uneven_stages():
-    """The CI default's cases store an MTP layer, declare one without weights, and convert an odd
-    layer count at world 2 (uneven pipeline stages); a change to the draw that loses one fails."""
+    """The CI default's cases store an MTP layer, declare one without weights, convert an odd
+    layer count at world 2 (uneven pipeline stages), and read block-FP8 checkpoints, one with
+    partial edge blocks; a change to the draw that loses one fails."""
     drawn = [random_config(seed) for seed in CI_SEEDS]
     assert {mtp_state(fields) for _, fields, _ in drawn} >= {"stored", "absent"}
+    assert any(fields.get("fp8") and _partial_blocks(fields) for _, fields, _ in drawn)
     assert any(fields["num_hidden_layers"] % 2 for _, fields, _ in drawn
                if fields["num_hidden_layers"] >= 2)
 
@@ -173,12 +185,14 @@ def round_trips(tmp_path_factory):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_config_round_trip_is_bit_exact(seed, round_trips):
     family, fields, hf, outs = round_trips[seed]
+    # An FP8 checkpoint comes back unquantized: bit-exact with vLLM's dequantization of it
+    source = vllm_dequantized(hf, hf + ".dequantized") if fields.get("fp8") else hf
     for name in ("converted", "live"):
         back = outs[name][0]
         # scripts/compare_hf_checkpoints.py's comparison, in this process (its launch: a fifth of a case)
-        result = load_script("compare_hf_checkpoints").compare(hf, back)
+        result = load_script("compare_hf_checkpoints").compare(source, back)
         assert result["bit_exact"], (name, family, fields, result)
-        with open(os.path.join(hf, "config.json")) as a, open(os.path.join(back, "config.json")) as b:
+        with open(os.path.join(source, "config.json")) as a, open(os.path.join(back, "config.json")) as b:
             assert json.load(a) == json.load(b), (name, family, fields)
     for name, (_, notes) in outs.items():
         said = any("MTP weights absent" in note and "num_nextn_predict_layers=1" in note for note in notes)

@@ -41,6 +41,10 @@ CASES = {
     # its experts published in MXFP4: dequantized into the actor, the engine built unquantized
     # (rollout/vllm/unquantized.py)
     "single_gpt_oss_mxfp4": (1, "gpt_oss_mxfp4", []),
+    # block FP8 as published (partial edge blocks): the actor loads model.hf_dir dequantized at
+    # TP2xEP2, the engine is built unquantized (rollout/vllm/unquantized.py)
+    "tp2_ep2_etp1_into_rollout_tp2_fp8": (2, "qwen3_moe_fp8", ["--tp", "2", "--ep", "2", "--etp", "1",
+                                                               "--rollout-tp", "2"]),
     "tp2_ep2_etp1_into_rollout_tp2_gpt_oss": (2, "gpt_oss", ["--tp", "2", "--ep", "2", "--etp", "1",
                                                              "--rollout-tp", "2", "--routing"]),
     "tp2_pp2_into_rollout_tp1": (4, "qwen3", ["--tp", "2", "--pp", "2", "--rollout-tp", "1"]),

@@ -26,6 +26,11 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "qwen2_gqa1": dict(family="qwen2", num_key_value_heads=1),
     # gpt-oss as published: experts in MXFP4 blocks and scales (quantization_config mxfp4)
     "gpt_oss_mxfp4": dict(family="gpt_oss", experts_mxfp4=True),
+    # Block FP8 as DeepSeek-V3 and the Qwen3 -FP8 releases publish it (fp8=True: _to_fp8). MLA's
+    # kv_a_proj_with_mqa (512 + 64 = 576 rows, as in DeepSeek-V3) and these experts' 192 rows
+    # (columns of down_proj) end in partial 128 x 128 blocks.
+    "deepseek_v3_fp8": dict(family="deepseek_v3", fp8=True, mtp_weights=True),
+    "qwen3_moe_fp8": dict(family="qwen3_moe", fp8=True, moe_intermediate_size=192),
 }
 FAMILIES: Dict[str, Dict[str, Any]] = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
@@ -84,14 +89,18 @@ ZERO_CENTERED_NORMS = ("qwen3_next", "qwen3_5_moe")
 
 
 def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 0.08,
-                         dtype: str = "float32", **overrides) -> str:
+                         dtype: str = "float32", fp8: bool = False, **overrides) -> str:
     """Write config.json + model.safetensors of a random `family` model; return out_dir. With
     num_nextn_predict_layers set, mtp_weights=False leaves the MTP layer's weights out. `dtype`
-    (float32 or bfloat16): the weights drawn in fp32, stored rounded to it, config.json saying it."""
+    (float32 or bfloat16): the weights drawn in fp32, stored rounded to it, config.json saying it.
+    fp8: the linear weights as block-FP8 codes and scales in several shards (_to_fp8)."""
     import transformers
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(FAMILIES)}")
+    if fp8 and family == "gpt_oss":
+        raise ValueError("gpt-oss is published with MXFP4 experts, not block FP8: use the "
+                         "gpt_oss_mxfp4 variant")
     fields = {**BASE, **FAMILIES[family], **overrides}
     mtp_weights = fields.pop("mtp_weights", True)
     experts_mxfp4 = fields.pop("experts_mxfp4", False)
@@ -127,7 +136,63 @@ def make_tiny_checkpoint(family: str, out_dir: str, seed: int = 0, std: float = 
         _experts_to_mxfp4(out_dir)
     if fields.get("num_nextn_predict_layers") and mtp_weights:
         _add_mtp_layer(out_dir, fields["num_hidden_layers"], std)
+    if fp8:
+        _to_fp8(out_dir, family, fields["num_hidden_layers"])
     return out_dir
+
+
+# quantization_config as DeepSeek-V3/R1 and the Qwen3 -FP8 releases write it; the Qwen3 MoE ones
+# also list lm_head and every layer's router in modules_to_not_convert.
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": [128, 128]}
+FP8_SHARDS = 3
+
+
+def _to_fp8(out_dir: str, family: str, num_layers: int) -> None:
+    """Store the checkpoint as a published block-FP8 one: the tensors fp8_blocks.is_quantized
+    names as float8_e4m3fn codes + fp32 `weight_scale_inv`, the rest as they were, in
+    FP8_SHARDS shards by layer (model-0000k-of-0000N.safetensors) with an index."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from megarl.models.hf import fp8_blocks
+
+    config = dict(FP8_CONFIG)
+    if family == "qwen3_moe":
+        config["modules_to_not_convert"] = ["lm_head"] + [f"model.layers.{i}.mlp.gate"
+                                                           for i in range(num_layers)]
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.isfile(index) \
+        else ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        tensors.update(load_file(os.path.join(out_dir, name)))
+        os.remove(os.path.join(out_dir, name))
+    stored = {}
+    for name, tensor in tensors.items():
+        if fp8_blocks.is_quantized(name, tuple(tensor.shape), config):
+            stored[name], stored[fp8_blocks.scale_name(name)] = fp8_blocks.quantize(tensor.float())
+        else:
+            stored[name] = tensor
+    layers = num_layers + 1  # the MTP layers (and the final norm, the head) in the last shard
+
+    def shard_of(name: str) -> int:
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        layer = int(match.group(1)) if match else (0 if "embed_tokens" in name else layers - 1)
+        return min(layer, layers - 1) * FP8_SHARDS // layers
+
+    weight_map, total = {}, 0
+    for k in range(FP8_SHARDS):
+        filename = f"model-{k + 1:05d}-of-{FP8_SHARDS:05d}.safetensors"
+        shard = {n: t.contiguous() for n, t in stored.items() if shard_of(n) == k}
+        save_file(shard, os.path.join(out_dir, filename), metadata={"format": "pt"})
+        weight_map.update({n: filename for n in shard})
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
+                  sort_keys=True)
+    _add_to_config(out_dir, {"quantization_config": config})
 
 
 def _add_to_config(out_dir: str, fields: Dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megarl.models.hf.config import ModelArch
-from megarl.models.hf.fused_experts import fuse
+from megarl.models.hf.fused_experts import export_config, fuse
 from megarl.models.weights import mtp as mtp_weights
 from megarl.models.weights import tables as weight_tables
 from megarl.models.weights.checkpoint import TOKENIZER_FILES
@@ -121,6 +121,9 @@ def export_hf(chunks: List[torch.nn.Module], arch: ModelArch, hf_config: dict, t
     source HF checkpoint) also gives the MTP layers. Rank 0 passes its notes to `say` (the run's
     console in the loop)."""
     dtype = next(chunks[0].parameters()).dtype
+    # The weights written are unquantized: a block-FP8 (or MXFP4) source's quantization_config
+    # would have transformers and vLLM read them as codes.
+    hf_config = export_config(hf_config, mxfp4=False)
     links = WorldLinks()
     sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir, dtype, arch, say, links),
                  links=links)

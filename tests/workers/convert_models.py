@@ -7,13 +7,17 @@ line before it runs, so a failure's output names the job, and its notes after it
 
 Jobs: ["hf_to_megatron", HF, OUT], ["megatron_to_hf", MEGATRON, OUT], and ["export_hf", MEGATRON,
 HF, OUT]: the model loaded from MEGATRON exported as the training loop exports it at the end of a
-run (megarl.resharding.hf_export), HF being the run's model.hf_dir.
+run (megarl.resharding.hf_export), HF being the run's model.hf_dir. ["hf_to_megatron_peak_rss",
+HF, OUT] is hf_to_megatron measuring each rank's peak resident memory above what it held before
+(its line's `peak_rss`: bytes per rank).
 """
 
 import argparse
 import json
 import os
 import sys
+
+import torch.distributed as dist
 
 from megarl.models.hf.config import arch_from_hf_config
 from megarl.models.megatron.builder import build_model
@@ -37,7 +41,26 @@ def live_export(megatron_dir: str, hf_dir: str, out_dir: str) -> dict:
     return {"notes": notes}
 
 
-DIRECTIONS = {"hf_to_megatron": hf_to_megatron, "megatron_to_hf": megatron_to_hf, "export_hf": live_export}
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024  # kB
+
+
+def peak_rss_conversion(hf_dir: str, out_dir: str) -> dict:
+    """hf_to_megatron; {"notes", "peak_rss": per rank, its peak RSS (VmHWM, file-backed pages of
+    the mapped shards included) above its RSS before the conversion}."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    before = _status_bytes("VmRSS")
+    result = hf_to_megatron(hf_dir, out_dir)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, _status_bytes("VmHWM") - before)
+    return {"notes": result["notes"], "peak_rss": peaks}
+
+
+DIRECTIONS = {"hf_to_megatron": hf_to_megatron, "megatron_to_hf": megatron_to_hf, "export_hf": live_export,
+              "hf_to_megatron_peak_rss": peak_rss_conversion}
 
 
 def _line(rank0: bool, record: dict) -> None:
@@ -57,7 +80,7 @@ def main():
     for direction, *dirs in json.loads(args.jobs):
         _line(rank0, {"job": [direction, *dirs]})
         result = DIRECTIONS[direction](*dirs)  # as the script (or the loop) calls it
-        _line(rank0, {"done": dirs[-1], "notes": result["notes"]})
+        _line(rank0, {"done": dirs[-1], **{k: v for k, v in result.items() if k in ("notes", "peak_rss")}})
     megatron_groups.destroy()
 
 

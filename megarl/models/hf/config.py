@@ -15,6 +15,7 @@ import torch
 from megarl.models.hf import config_deepseek as hf_config_deepseek
 from megarl.models.hf import config_gpt_oss as hf_config_gpt_oss
 from megarl.models.hf import config_qwen3_next as hf_config_qwen3_next
+from megarl.models.hf import fp8_blocks
 from megarl.models.hf.fields import require as _require
 from megarl.models.hf.fields import rope_settings
 from megarl.models.hf.fields import unsupported as _unsupported
@@ -107,6 +108,9 @@ class ModelArch:
     swiglu_alpha: float = 0.0            # 0: silu(gate) * up; else clamped gate*sigmoid(a*gate)*(up+1)
     swiglu_limit: float = 0.0            # clamp of gate (above) and up (both sides); 0: none
     experts_mxfp4: bool = False          # the checkpoint stores routed experts as MXFP4 blocks
+    # Block FP8 (models/hf/fp8_blocks.py): the checkpoint's (rows, cols) block; (): unquantized.
+    # Read dequantized into `dtype` (models/hf/fp8_reader.py); the model itself is not FP8.
+    fp8_block: Tuple[int, ...] = ()
 
     @property
     def mla(self) -> bool:
@@ -115,6 +119,7 @@ class ModelArch:
     def __post_init__(self):  # read back from JSON the per-layer fields are lists
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "window_layers", tuple(self.window_layers))
+        object.__setattr__(self, "fp8_block", tuple(self.fp8_block))
 
     def is_linear_layer(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
@@ -165,12 +170,11 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
         _require(cfg, "sliding_window", (None,))
     if family not in ("qwen2", "glm4_moe", "gpt_oss"):
         _require(cfg, "attention_bias", (False, None))
+    fp8_block = ()
     if family == "gpt_oss":
         hf_config_gpt_oss.check_quantization(cfg)
-    elif cfg.get("quantization_config"):
-        raise _unsupported("quantization_config", cfg["quantization_config"].get("quant_method"),
-                           "unquantized weights: dequantize the checkpoint to bf16 first (e.g. "
-                           "DeepSeek's fp8_cast_bf16.py)")
+    else:  # block FP8 as published (DeepSeek-V3, Kimi-K2, Qwen3 -FP8); other formats refused by name
+        fp8_block = fp8_blocks.block_size(cfg.get("quantization_config")) or ()
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -239,6 +243,7 @@ def arch_from_hf_config(cfg: Dict[str, Any]) -> ModelArch:
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe", *HYBRIDS) or bool(cfg.get("use_qk_norm", False)),
         dtype=dtype,
+        fp8_block=fp8_block,
         **moe,
         **extra,
     )

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.hf.config import ModelArch
+from megarl.models.hf.fp8_reader import dequantizing
 from megarl.models.hf.fused_experts import FusedExpertsReader, fuse
 from megarl.models.hf.safetensors_reader import SafetensorsReader
 from megarl.models.megatron.param_layout import ParamSlot, join_shards, local_shard, param_slots, weight_slots
@@ -38,8 +39,9 @@ def check_hf_names(arch: ModelArch, names: List[str], hf_dir: str, role: str = "
 
 
 def open_hf(hf_dir: str, arch: ModelArch):
-    """The checkpoint's reader, per expert where the family fuses its experts (gpt-oss)."""
-    reader = SafetensorsReader(hf_dir)
+    """The checkpoint's reader: block-FP8 weights dequantized into the model's dtype, per expert
+    where the family fuses its experts (gpt-oss)."""
+    reader = dequantizing(SafetensorsReader(hf_dir), arch, hf_dir)
     fused = weight_tables.FUSED_EXPERTS.get(arch.family)
     return FusedExpertsReader(reader, fused) if fused else reader
 

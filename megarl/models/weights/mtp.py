@@ -21,6 +21,7 @@ from typing import Dict, Iterable, List, Optional
 from safetensors.torch import save_file
 
 from megarl.models.hf.config import HYBRIDS, VISION_TOWER, ModelArch
+from megarl.models.hf.fp8_reader import dequantizing
 from megarl.models.hf.safetensors_reader import SafetensorsReader
 
 INDEX = "mtp.index.json"
@@ -53,14 +54,15 @@ def mtp_names(arch: ModelArch, names: Iterable[str]) -> List[str]:
 
 def source(folder: str, arch: ModelArch):
     """A reader over the MTP tensors of an HF checkpoint folder or of a Megatron checkpoint's
-    hf_assets folder; None when there are none."""
+    hf_assets folder; None when there are none. A block-FP8 checkpoint's read dequantized into
+    the model's dtype, as its other layers are: hf_assets and the exports hold them unquantized."""
     if os.path.isfile(os.path.join(folder, INDEX)):
-        return SafetensorsReader(folder, index=INDEX)
+        return dequantizing(SafetensorsReader(folder, index=INDEX), arch, folder)
     # No MTP index and no HF weights (a Megatron checkpoint's hf_assets, an HF folder of config
     # and tokenizer only): the MTP weights are absent, not unreadable.
     if not _kept_aside(arch) or not any(os.path.isfile(os.path.join(folder, name)) for name in _HF_WEIGHTS):
         return None
-    reader = SafetensorsReader(folder)
+    reader = dequantizing(SafetensorsReader(folder), arch, folder)
     if not mtp_names(arch, reader.names()):
         reader.close()
         return None
