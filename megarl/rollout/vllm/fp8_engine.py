@@ -25,9 +25,23 @@ import torch
 from megarl.models.hf import fp8_blocks
 
 QUANTIZATIONS = ("none", "fp8")
-# The quantization_config the engine is built with: DeepSeek-V3's, as vLLM reads it.
-BLOCK_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": list(fp8_blocks.BLOCK)}
+
+
+def quantization_config(hf_dir: str) -> dict:
+    """The quantization_config the engine is built with, as a published block-FP8 checkpoint of
+    this model says it (DeepSeek-V3's, Qwen3's `-FP8`): 128 x 128 blocks, dynamic activations, and
+    modules_to_not_convert naming every linear module the format keeps in bf16 (the routers, the
+    output layer), which vLLM matches exactly, module by module."""
+    from megarl.models.hf.config import load_arch
+    from megarl.models.weights import tables as weight_tables
+
+    names = [name for entry in weight_tables.entries(load_arch(hf_dir)) for name in entry.hf]
+    linear = [name for name in names if name.endswith(".weight") and "embed_tokens" not in name
+              and "norm" not in name.rsplit(".", 2)[-2]]
+    kept = sorted({name[:-len(".weight")] for name in linear
+                   if not fp8_blocks.is_quantized(name, (1, 1), {})})
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(fp8_blocks.BLOCK), "modules_to_not_convert": kept}
 
 
 def check_quantization(quantization: str) -> None:
@@ -36,7 +50,7 @@ def check_quantization(quantization: str) -> None:
                          f"{QUANTIZATIONS} ('fp8': block-FP8 engine weights, 128x128 blocks)")
 
 
-def engine_kwargs(quantization: str, dtype: str, on_gpu: bool) -> dict:
+def engine_kwargs(quantization: str, hf_dir: str, dtype: str, on_gpu: bool) -> dict:
     """LLM() arguments of an engine of this quantization; on a CPU without vLLM's FP8 kernels
     (AMX), registers megarl's reference kernels first (rollout/vllm/cpu_fp8.py)."""
     check_quantization(quantization)
@@ -49,7 +63,7 @@ def engine_kwargs(quantization: str, dtype: str, on_gpu: bool) -> dict:
         from megarl.rollout.vllm import cpu_fp8
 
         cpu_fp8.register_reference_kernels()
-    return dict(quantization="fp8", hf_overrides={"quantization_config": dict(BLOCK_FP8_CONFIG)})
+    return dict(quantization="fp8", hf_overrides={"quantization_config": quantization_config(hf_dir)})
 
 
 def _scale_attr(param: str) -> str:
