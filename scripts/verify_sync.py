@@ -188,7 +188,7 @@ def main():
     if args.export:
         verify.export_synced(chunks, arch, args.hf_dir, samples, args.export)
     if args.loader_parity:
-        fp8 = vllm_fp8.quantization_config(args.hf_dir) if args.rollout_quantization == "fp8" else None
+        fp8 = vllm_fp8.quantization_config(arch) if args.rollout_quantization == "fp8" else None
         parity = _per_rank(loader_parity(engine, chunks, arch, args.hf_dir, fp8), world)
         result.update({key: [r[key] for r in parity] for key in parity[0]})
     if megatron_groups.is_rank0():

@@ -26,6 +26,13 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "qwen2_gqa1": dict(family="qwen2", num_key_value_heads=1),
     # gpt-oss as published: experts in MXFP4 blocks and scales (quantization_config mxfp4)
     "gpt_oss_mxfp4": dict(family="gpt_oss", experts_mxfp4=True),
+    # Block-FP8 engines (rollout/vllm/fp8_engine.py): every quantized slice whole 128-row blocks
+    # at rollout TP2 (expert width 256, KV heads of 128 rows per rank, q_lora_rank 128), as vLLM
+    # requires; two layers (DeepSeek: a dense one, then MoE).
+    "qwen3_moe_fp8": dict(family="qwen3_moe", moe_intermediate_size=256, num_key_value_heads=4,
+                          num_hidden_layers=2),
+    "deepseek_v3_fp8": dict(family="deepseek_v3", moe_intermediate_size=256, q_lora_rank=128,
+                            num_hidden_layers=2),
 }
 FAMILIES: Dict[str, Dict[str, Any]] = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),

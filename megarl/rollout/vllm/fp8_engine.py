@@ -23,19 +23,20 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from megarl.models.hf import fp8_blocks
+from megarl.models.hf.config import ModelArch, load_arch
+from megarl.models.weights import tables as weight_tables
+from megarl.models.weights.destination import RolloutLayout
+from megarl.models.weights.fp8_layout import check_fp8_layout
 
 QUANTIZATIONS = ("none", "fp8")
 
 
-def quantization_config(hf_dir: str) -> dict:
+def quantization_config(arch: ModelArch) -> dict:
     """The quantization_config the engine is built with, as a published block-FP8 checkpoint of
     this model says it (DeepSeek-V3's, Qwen3's `-FP8`): 128 x 128 blocks, dynamic activations, and
     modules_to_not_convert naming every linear module the format keeps in bf16 (the routers, the
     output layer), which vLLM matches exactly, module by module."""
-    from megarl.models.hf.config import load_arch
-    from megarl.models.weights import tables as weight_tables
-
-    names = [name for entry in weight_tables.entries(load_arch(hf_dir)) for name in entry.hf]
+    names = [name for entry in weight_tables.entries(arch) for name in entry.hf]
     linear = [name for name in names if name.endswith(".weight") and "embed_tokens" not in name
               and "norm" not in name.rsplit(".", 2)[-2]]
     kept = sorted({name[:-len(".weight")] for name in linear
@@ -50,12 +51,15 @@ def check_quantization(quantization: str) -> None:
                          f"{QUANTIZATIONS} ('fp8': block-FP8 engine weights, 128x128 blocks)")
 
 
-def engine_kwargs(quantization: str, hf_dir: str, dtype: str, on_gpu: bool) -> dict:
-    """LLM() arguments of an engine of this quantization; on a CPU without vLLM's FP8 kernels
-    (AMX), registers megarl's reference kernels first (rollout/vllm/cpu_fp8.py)."""
+def engine_kwargs(quantization: str, hf_dir: str, dtype: str, rollout: RolloutLayout, on_gpu: bool) -> dict:
+    """LLM() arguments of an engine of this quantization, refusing a layout whose slices are not
+    whole blocks (models/weights/fp8_layout.py); on a CPU without vLLM's FP8 kernels (AMX),
+    registers megarl's reference kernels first (rollout/vllm/cpu_fp8.py)."""
     check_quantization(quantization)
     if quantization == "none":
         return {}
+    arch = load_arch(hf_dir)
+    check_fp8_layout(arch, rollout)
     if dtype not in ("bfloat16", "float16"):
         raise ValueError(f"rollout.quantization='fp8' with an engine dtype {dtype!r}: vLLM's FP8 layers "
                          "compute in bfloat16 or float16; run the model in bfloat16")
@@ -63,7 +67,7 @@ def engine_kwargs(quantization: str, hf_dir: str, dtype: str, on_gpu: bool) -> d
         from megarl.rollout.vllm import cpu_fp8
 
         cpu_fp8.register_reference_kernels()
-    return dict(quantization="fp8", hf_overrides={"quantization_config": quantization_config(hf_dir)})
+    return dict(quantization="fp8", hf_overrides={"quantization_config": quantization_config(arch)})
 
 
 def _scale_attr(param: str) -> str:
