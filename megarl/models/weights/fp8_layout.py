@@ -83,3 +83,10 @@ def check_fp8_layout(arch: ModelArch, rollout: RolloutLayout) -> None:
                          f"weights need every rank's slice in whole {BLOCK[0]}x{BLOCK[1]} blocks (vLLM "
                          f"requires it), but {'; '.join(problems)}. Choose a rollout tp that keeps them "
                          "multiples of 128, or rollout.quantization 'none'")
+
+
+def check_fp8_dtype(dtype: str) -> None:
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"rollout.quantization='fp8' with a model dtype {dtype!r}: vLLM's FP8 layers "
+                         "compute in bfloat16 or float16; use a bfloat16 checkpoint (its config.json "
+                         "torch_dtype) or rollout.quantization 'none'")

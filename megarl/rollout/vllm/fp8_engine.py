@@ -26,9 +26,8 @@ from megarl.models.hf import fp8_blocks
 from megarl.models.hf.config import ModelArch, load_arch
 from megarl.models.weights import tables as weight_tables
 from megarl.models.weights.destination import RolloutLayout
-from megarl.models.weights.fp8_layout import check_fp8_layout
-
-QUANTIZATIONS = ("none", "fp8")
+from megarl.models.weights.fp8_layout import check_fp8_dtype, check_fp8_layout
+from megarl.rollout.config import RolloutConfig
 
 
 def quantization_config(arch: ModelArch) -> dict:
@@ -46,9 +45,7 @@ def quantization_config(arch: ModelArch) -> dict:
 
 
 def check_quantization(quantization: str) -> None:
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"rollout.quantization={quantization!r} is not supported: choose one of "
-                         f"{QUANTIZATIONS} ('fp8': block-FP8 engine weights, 128x128 blocks)")
+    RolloutConfig(quantization)  # refuses unknown ones by name
 
 
 def engine_kwargs(quantization: str, hf_dir: str, dtype: str, rollout: RolloutLayout, on_gpu: bool) -> dict:
@@ -60,9 +57,7 @@ def engine_kwargs(quantization: str, hf_dir: str, dtype: str, rollout: RolloutLa
         return {}
     arch = load_arch(hf_dir)
     check_fp8_layout(arch, rollout)
-    if dtype not in ("bfloat16", "float16"):
-        raise ValueError(f"rollout.quantization='fp8' with an engine dtype {dtype!r}: vLLM's FP8 layers "
-                         "compute in bfloat16 or float16; run the model in bfloat16")
+    check_fp8_dtype(dtype)
     if not on_gpu:
         from megarl.rollout.vllm import cpu_fp8
 
