@@ -30,6 +30,7 @@ from megarl.models.hf.weights_io import load_hf_weights
 from megarl.models.lora import peft_io
 from megarl.models.lora.adapters import LoraConfig
 from megarl.models.megatron.builder import build_model
+from megarl.models.weights.destination import RolloutLayout
 from megarl.parallel_state import megatron_groups
 from megarl.resharding import sync_weights
 from megarl.resharding.adapter_sync import push_weights
@@ -188,7 +189,8 @@ def main():
     if args.export:
         verify.export_synced(chunks, arch, args.hf_dir, samples, args.export)
     if args.loader_parity:
-        fp8 = vllm_fp8.quantization_config(arch) if args.rollout_quantization == "fp8" else None
+        fp8 = None if args.rollout_quantization == "none" else vllm_fp8.quantization_config(
+            arch, RolloutLayout(args.rollout_tp, args.rollout_ep))
         parity = _per_rank(loader_parity(engine, chunks, arch, args.hf_dir, fp8), world)
         result.update({key: [r[key] for r in parity] for key in parity[0]})
     if megatron_groups.is_rank0():

@@ -9,7 +9,7 @@ import pytest
 
 from megarl.models.hf.config import load_arch
 from megarl.models.weights.destination import RolloutLayout
-from megarl.models.weights.fp8_layout import check_fp8_layout, misaligned
+from megarl.models.weights.fp8_layout import check_fp8_layout, kept_in_bf16, misaligned
 from tests.launch import last_json, start
 
 TP2 = ["--tp", "2", "--ep", "2", "--etp", "1", "--rollout-tp", "2"]
@@ -69,7 +69,14 @@ def test_slices_not_in_whole_blocks_are_refused_by_name(hf_models):
                                          r"rank = 32.*multiples of 128"):
         check_fp8_layout(moe, RolloutLayout(2))
     assert misaligned(load_arch(hf_models["qwen3"]), RolloutLayout(1)) == []
-    assert misaligned(load_arch(hf_models["deepseek_v3"]), RolloutLayout(1)) == [
-        "q_lora_rank (fused_qkv_a_proj's first part) = 64", "shared experts' width per rank = 64",
-        "expert width per rank = 64"]
+    deepseek = load_arch(hf_models["deepseek_v3"])
+    assert misaligned(deepseek, RolloutLayout(1)) == [
+        "q_lora_rank (fused_qkv_a_proj's first part) = 64", "expert width per rank = 64"]
+    # a dense MLP or shared expert not in whole blocks stays bf16 instead: shared width 64 here
+    # (the dense layer's 256 is whole blocks at TP1 and TP2, not at TP4)
+    shared = [f"model.layers.{n}.mlp.shared_experts.{p}" for n in (1, 2, 3) for p in ("gate_proj", "up_proj",
+                                                                                     "down_proj")]
+    assert sorted(kept_in_bf16(deepseek, RolloutLayout(2))) == sorted(shared)
+    dense = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    assert sorted(kept_in_bf16(deepseek, RolloutLayout(4))) == sorted(dense + shared)
     assert misaligned(load_arch(hf_models["qwen3_next"]), RolloutLayout(1))[0].startswith("family qwen3_next")

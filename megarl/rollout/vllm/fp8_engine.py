@@ -26,20 +26,21 @@ from megarl.models.hf import fp8_blocks
 from megarl.models.hf.config import ModelArch, load_arch
 from megarl.models.weights import tables as weight_tables
 from megarl.models.weights.destination import RolloutLayout
-from megarl.models.weights.fp8_layout import check_fp8_dtype, check_fp8_layout
+from megarl.models.weights.fp8_layout import check_fp8_dtype, check_fp8_layout, kept_in_bf16
 from megarl.rollout.config import RolloutConfig
 
 
-def quantization_config(arch: ModelArch) -> dict:
+def quantization_config(arch: ModelArch, rollout: RolloutLayout) -> dict:
     """The quantization_config the engine is built with, as a published block-FP8 checkpoint of
     this model says it (DeepSeek-V3's, Qwen3's `-FP8`): 128 x 128 blocks, dynamic activations, and
     modules_to_not_convert naming every linear module the format keeps in bf16 (the routers, the
-    output layer), which vLLM matches exactly, module by module."""
+    output layer), which vLLM matches exactly, module by module; and those whose slices at this
+    layout are not whole blocks (fp8_layout.kept_in_bf16)."""
     names = [name for entry in weight_tables.entries(arch) for name in entry.hf]
     linear = [name for name in names if name.endswith(".weight") and "embed_tokens" not in name
               and "norm" not in name.rsplit(".", 2)[-2]]
     kept = sorted({name[:-len(".weight")] for name in linear
-                   if not fp8_blocks.is_quantized(name, (1, 1), {})})
+                   if not fp8_blocks.is_quantized(name, (1, 1), {})} | set(kept_in_bf16(arch, rollout)))
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": list(fp8_blocks.BLOCK), "modules_to_not_convert": kept}
 
@@ -62,7 +63,7 @@ def engine_kwargs(quantization: str, hf_dir: str, dtype: str, rollout: RolloutLa
         from megarl.rollout.vllm import cpu_fp8
 
         cpu_fp8.register_reference_kernels()
-    return dict(quantization="fp8", hf_overrides={"quantization_config": quantization_config(arch)})
+    return dict(quantization="fp8", hf_overrides={"quantization_config": quantization_config(arch, rollout)})
 
 
 def _scale_attr(param: str) -> str:
