@@ -101,8 +101,9 @@ def test_weight_sync_parity_and_peak_memory(inputs):
 
 # FP8 engines (rollout.quantization fp8): vLLM's own FP8 kernels (W8A8, activations quantized per
 # token group of 128 on top of the weights' blocks) against the bf16 actor. On the CPU (reference
-# kernels, W8A16) the largest sampled-token difference measured 0.33-0.95 after a sync, 3.5-5.5
-# before it (tests/test_fp8_engine.py). Not yet measured on a GPU: loose on purpose.
+# kernels, W8A16) the largest sampled-token difference measured 0.33-1.09 after a sync, 3.3-5.5
+# before it (tests/test_fp8_engine.py; this test's command on the CPU: 1.09 and 3.34 for
+# qwen3_moe_fp8). Not yet measured on a GPU: loose on purpose.
 FP8_LOGPROB_MAX = 1.5
 
 
@@ -122,4 +123,4 @@ def test_fp8_engine_generates_after_a_sync(model, tmp_path):
     assert min(result["weight_parity_fp8_tensors"]) > 0, result
     assert result["params_synced"] == result["params_expected"] > 0, result
     assert result["samples"] > 0 and result["max_abs_logprob_diff"] <= FP8_LOGPROB_MAX, result
-    assert result["max_abs_logprob_diff_before_sync"] >= 2 * FP8_LOGPROB_MAX, result
+    assert result["max_abs_logprob_diff"] <= 0.5 * result["max_abs_logprob_diff_before_sync"], result
