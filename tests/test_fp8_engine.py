@@ -9,7 +9,8 @@ import pytest
 
 from megarl.models.hf.config import load_arch
 from megarl.models.weights.destination import RolloutLayout
-from megarl.models.weights.fp8_layout import check_fp8_layout, kept_in_bf16, misaligned
+from megarl.models.weights.fp8_layout import check_fp8_dtype, check_fp8_layout, kept_in_bf16, misaligned
+from megarl.rollout.config import RolloutConfig
 from tests.launch import last_json, start
 
 TP2 = ["--tp", "2", "--ep", "2", "--etp", "1", "--rollout-tp", "2"]
@@ -62,7 +63,7 @@ def test_synced_fp8_engine_equals_vllm_loading_the_fp8_checkpoint(case, fp8_sync
     assert result["max_abs_logprob_diff"] <= 0.5 * result["max_abs_logprob_diff_before_sync"], result
 
 
-def test_slices_not_in_whole_blocks_are_refused_by_name(hf_models):
+def test_what_an_fp8_engine_cannot_hold_is_refused_by_name(hf_models):
     moe = load_arch(hf_models["qwen3_moe"])  # expert width 64, KV heads of 64 rows per rank at TP2
     assert misaligned(moe, RolloutLayout(1)) == ["expert width per rank = 64"]
     with pytest.raises(ValueError, match=r"rollout tp 2.*k and v rows per rank = 64; expert width per "
@@ -80,3 +81,8 @@ def test_slices_not_in_whole_blocks_are_refused_by_name(hf_models):
     dense = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
     assert sorted(kept_in_bf16(deepseek, RolloutLayout(4))) == sorted(dense + shared)
     assert misaligned(load_arch(hf_models["qwen3_next"]), RolloutLayout(1))[0].startswith("family qwen3_next")
+    with pytest.raises(ValueError, match=r"rollout.quantization='int8' is not supported: choose one of "
+                                         r"\('none', 'fp8'\)"):
+        RolloutConfig(quantization="int8")
+    with pytest.raises(ValueError, match="model dtype 'float32'.*bfloat16"):
+        check_fp8_dtype("float32")

@@ -72,6 +72,10 @@ def resolve(config: RunConfig, hf_config: Optional[dict] = None) -> ResolvedRun:
         check_fp8_dtype(arch.dtype)
         check_fp8_layout(arch, RolloutLayout(config.layout.rollout_tp, config.layout.rollout_ep))
     adapters = peft_io.run_config(config.actor.lora, arch)
+    if adapters and config.rollout.quantization != "none":
+        raise ValueError("rollout.quantization='fp8' with actor.lora: the engines then take the adapters "
+                         "alone each sync, into LoRA slots or merged into weights that are FP8 codes, which "
+                         "megarl does not do yet; use rollout.quantization 'none' with LoRA")
     training = config.algo.reward_table
     tables = (training, *(spec.reward_table(training) for spec in config.eval.sets.values()))
     return ResolvedRun(config=config, hf_config=hf_config, arch=arch, dims=config.layout.dims(),

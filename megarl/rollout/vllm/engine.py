@@ -134,6 +134,9 @@ class VLLMEngine:
         rank = dist.get_rank() if dist.is_initialized() else 0
         check_engine_ep(rollout_tp, rollout_ep)
         vllm_fp8.check_quantization(quantization)
+        if adapters is not None and quantization != "none":
+            raise ValueError(f"quantization={quantization!r} with adapters: an FP8 engine takes whole "
+                             "weights at each sync, not adapters alone (megarl.planning.resolved refuses it)")
         # Ranks of one engine must pass the same prompts; its first rank reports the samples.
         self.placement = Placement(engines=rollout_groups(world, rollout_tp), engine_rank=rank // rollout_tp,
                                    leader=rank % rollout_tp == 0)
