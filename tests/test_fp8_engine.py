@@ -86,3 +86,48 @@ def test_what_an_fp8_engine_cannot_hold_is_refused_by_name(hf_models):
         RolloutConfig(quantization="int8")
     with pytest.raises(ValueError, match="model dtype 'float32'.*bfloat16"):
         check_fp8_dtype("float32")
+
+
+def test_plan_sync_counts_fp8_engine_bytes(hf_models, capsys, tmp_path):
+    """scripts/plan_sync.py --rollout-quantization fp8 on the tiny Qwen3 at rollout TP2 (its KV
+    heads made 4): each engine rank's FP8 codes and scales equal those of the tensors its block-FP8
+    checkpoint would quantize (counted here from the checkpoint itself), halved by TP; a layout
+    whose slices are not whole blocks is refused."""
+    import importlib.util
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    from megarl.models.hf import fp8_blocks
+
+    hf_dir = hf_models["qwen3"]
+    spec = importlib.util.spec_from_file_location("plan_sync", os.path.join("scripts", "plan_sync.py"))
+    plan_sync = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_sync)
+    config = tmp_path / "config.json"
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config.write_text(json.dumps({**json.load(f), "num_key_value_heads": 4}))
+    codes = scales = 0
+    with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            shape = tuple(f.get_slice(name).get_shape())
+            if name.endswith(("k_proj.weight", "v_proj.weight")):  # KV heads 2 -> 4
+                shape = (2 * shape[0], shape[1])
+            if fp8_blocks.is_quantized(name, shape, {}):
+                codes += shape[0] * shape[1]
+                scales += -(-shape[0] // 128) * -(-shape[1] // 128) * 4
+    summary = plan_sync.main(["--hf-config", str(config), "--train", "tp=2", "--rollout", "tp=2",
+                              "--nodes", "1", "--gpus-per-node", "2", "--dtype", "bfloat16",
+                              "--rollout-quantization", "fp8"])
+    fp8 = summary["fp8"]
+    assert fp8["fp8_code_bytes_per_rank"] == codes // 2, fp8
+    assert fp8["fp8_scale_bytes_per_rank"] == scales // 2, fp8
+    assert fp8["kept_unquantized_modules"] == 0, fp8
+    rest = fp8["unquantized_engine_bytes_per_rank"] - 2 * codes // 2
+    assert fp8["engine_bytes_per_rank"] == codes // 2 + scales // 2 + rest, fp8
+    assert "FP8 engines: each engine rank holds" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # KV heads of 64 rows per rank: refused before planning
+        plan_sync.main(["--hf-config", hf_dir, "--train", "tp=2", "--rollout", "tp=2", "--nodes", "1",
+                        "--gpus-per-node", "2", "--dtype", "bfloat16", "--rollout-quantization", "fp8"])
+    assert "k and v rows per rank = 64" in capsys.readouterr().err
