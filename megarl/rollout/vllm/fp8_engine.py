@@ -4,17 +4,21 @@ an fp32 `weight_scale_inv` per block, the layout of DeepSeek-V3's and the Qwen3 
 checkpoints), every other tensor in the run's dtype; the trainer stays in bf16.
 
 Each sync quantizes on the receiving engine rank: the plan delivers the rank's bf16 slice of every
-quantized weight into a staging tensor of the load-time shape, and `QuantizedWrites.close` turns
+quantized weight into a staging tensor of the load-time shape, and `QuantizedWrites.quantize` turns
 it into codes and scales exactly as a checkpoint's tensors would be: per sub-projection of a
 fused tensor (q, k, v of qkv_proj; gate and up of gate_up_proj and w13; MLA's q_a and kv_a), each
 on its own 128-row blocks, as vLLM's loader places a checkpoint's separate tensors. That equals
 quantizing the full tensor and slicing it only where every rank's slice holds whole blocks, which
-vLLM itself requires at TP > 1 (vllm fp8_utils.validate_fp8_block_shape) and plan_alignment
-checks before any work. Quantizing on the receiver moves bf16 bytes (2 per weight) where the
-sender could send 1 + 1/4096; the plan stays the bf16 one.
+vLLM itself requires at TP > 1 (vllm fp8_utils.validate_fp8_block_shape) and
+models/weights/fp8_layout.py checks before any work. Quantizing on the receiver moves bf16 bytes
+(2 per weight) where the sender could send 1 + 4/16384; the plan stays the bf16 one.
+An engine whose checkpoint's own config.json is block FP8 is built FP8 by vLLM whatever
+rollout.quantization says, and its syncs quantize the same way: the writer follows the engine's
+load-time dtypes, not the setting.
 
 Owns: the engine arguments, which engine tensors are quantized, the staging and quantization at
-sync time. Does not own the quantizer (models/hf/fp8_blocks.py).
+sync time. Does not own the quantizer (models/hf/fp8_blocks.py) or the layout rules
+(models/weights/fp8_layout.py).
 """
 
 import math
