@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="share of Adam's state kept and stepped on the host (0..1)")
     parser.add_argument("--engine-fraction", type=float, default=0.5,
                         help="vLLM's gpu_memory_utilization (generation.gpu_memory_utilization)")
+    parser.add_argument("--rollout-quantization", choices=("none", "fp8"), default="none",
+                        help="fp8: block-FP8 engine weights (rollout.quantization)")
     parser.add_argument("--critic", action="store_true", help="a critic of the same shape (PPO with GAE)")
     parser.add_argument("--offload-params", action="store_true",
                         help="training parameters off the GPU while vLLM generates")
@@ -103,7 +105,8 @@ def _from_flags(args, arch) -> mp.MemoryRequest:
         gpus_per_node=args.gpus_per_node, offload_params=args.offload_params,
         transformer_engine=args.transformer_engine == "true", adam=args.adam,
         engine_fraction=args.engine_fraction, bucket_bytes=args.bucket_mb * 2**20,
-        export_hf=not args.no_export, runtime_bytes=args.reserve_gb * mp.GB)
+        export_hf=not args.no_export, runtime_bytes=args.reserve_gb * mp.GB,
+        quantization=args.rollout_quantization)
 
 
 def _from_run(args, hf_config: dict) -> mp.MemoryRequest:

@@ -56,6 +56,8 @@ import json
 import os
 from typing import Optional, Tuple
 
+from megarl.models.weights import fp8_layout
+from megarl.models.weights.destination import vllm_rank_tensors
 from megarl.resharding import cluster_plan as cp
 from megarl.resharding import gpu_kinds
 
@@ -95,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--round-us", type=float, default=links.round_us, help="per round of a bucket")
     parser.add_argument("--max-regions", type=int, default=cp.MAX_REGIONS,
                         help="above this many destination regions, plan one engine per distinct placement")
+    parser.add_argument("--rollout-quantization", choices=("none", "fp8"), default="none",
+                        help="fp8: block-FP8 engines (rollout.quantization): report each engine rank's "
+                             "FP8 bytes (key 'fp8'); a layout whose slices are not whole blocks is refused")
     parser.add_argument("--all-engines", action="store_true", help="plan every engine, however many")
     parser.add_argument("--show", type=int, default=8, help="ranks listed when there are more than 16")
     parser.add_argument("--lora", default=None, metavar="rank=R[,alpha=A][,targets=K+K]",
@@ -175,6 +180,9 @@ def build(args: argparse.Namespace) -> Tuple[cp.ClusterPlan, str]:
     arch = cp.arch_of(_load_config(args.hf_config), args.dtype)
     dims = cp.train_dims(args.train, args.nodes * args.gpus_per_node)
     rollout = cp.rollout_layout(args.rollout)
+    if args.rollout_quantization == "fp8":  # before the plan: a misaligned layout is refused at once
+        fp8_layout.check_fp8_dtype(arch.dtype)
+        fp8_layout.check_fp8_layout(arch, rollout)
     links, how = links_of(args, None if args.gpu else gpu_kinds.visible_device())
     return cp.plan_cluster(arch, dims, rollout, args.gpus_per_node, int(args.bucket_mb * 2**20), links,
                            max_regions=10**18 if args.all_engines else args.max_regions), how
@@ -196,9 +204,27 @@ def _table(result: cp.ClusterPlan, show: int) -> None:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
 
 
-def report(result: cp.ClusterPlan, show: int = 8, lora=None, gpu_choice: str = "") -> dict:
+def plan_fp8(result: cp.ClusterPlan) -> dict:
+    """An FP8 engine rank's weights (its ranks hold equal shares): FP8 codes and fp32 block scales
+    of the quantized tensors, the rest in the model's dtype, against all of them in that dtype. The
+    sync itself moves the model's dtype (each engine rank quantizes what it receives), as above."""
+    itemsize = cp.DTYPES[result.arch.dtype].itemsize
+    tensors = vllm_rank_tensors(result.arch, result.rollout, 0)
+    kept = set(fp8_layout.kept_in_bf16(result.arch, result.rollout))
+    fp8 = [t for t in tensors if fp8_layout.is_fp8(t.name, t.shape, kept)]
+    return {"engine_bytes_per_rank": sum(fp8_layout.engine_bytes(t.name, t.shape, itemsize, True, kept)
+                                         for t in tensors),
+            "unquantized_engine_bytes_per_rank": sum(t.numel for t in tensors) * itemsize,
+            "fp8_code_bytes_per_rank": sum(t.numel for t in fp8),
+            "fp8_scale_bytes_per_rank": sum(map(fp8_layout.scale_count, (t.shape for t in fp8)))
+            * fp8_layout.SCALE_BYTES,
+            "kept_unquantized_modules": len(kept)}
+
+
+def report(result: cp.ClusterPlan, show: int = 8, lora=None, gpu_choice: str = "", fp8: bool = False) -> dict:
     """Print the plan's figures; the last line is the summary as JSON (also returned). `lora`: a
-    LoraConfig whose adapters-only sync is planned too; `gpu_choice`: how the GPU kind was chosen."""
+    LoraConfig whose adapters-only sync is planned too; `gpu_choice`: how the GPU kind was chosen;
+    `fp8`: the engines are block-FP8 (key 'fp8': plan_fp8)."""
     summary = result.summary()
     gpu = summary["gpu"]
     if gpu_choice:
@@ -240,6 +266,15 @@ def report(result: cp.ClusterPlan, show: int = 8, lora=None, gpu_choice: str = "
     if lora is not None:
         summary["lora"] = plan_lora(result, lora)
         _lora_lines(summary["lora"], summary["seconds"])
+    if fp8:
+        summary["fp8"] = plan_fp8(result)
+        q = summary["fp8"]
+        print(f"FP8 engines: each engine rank holds {cp.gb(q['engine_bytes_per_rank'])} (FP8 codes "
+              f"{cp.gb(q['fp8_code_bytes_per_rank'])}, block scales {cp.gb(q['fp8_scale_bytes_per_rank'])}, "
+              f"the rest in {result.arch.dtype}; {q['kept_unquantized_modules']} MLP modules, not whole "
+              f"blocks, kept unquantized) against {cp.gb(q['unquantized_engine_bytes_per_rank'])} "
+              f"unquantized; the sync moves the {result.arch.dtype} bytes above, quantized on the "
+              "receiving rank")
     print(json.dumps(summary))
     return summary
 
@@ -267,7 +302,7 @@ def main(argv=None) -> dict:
         result, how = build(args)
     except ValueError as error:
         parser.error(str(error))
-    return report(result, args.show, lora, how)
+    return report(result, args.show, lora, how, fp8=args.rollout_quantization == "fp8")
 
 
 if __name__ == "__main__":

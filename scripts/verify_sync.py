@@ -30,9 +30,11 @@ from megarl.models.hf.weights_io import load_hf_weights
 from megarl.models.lora import peft_io
 from megarl.models.lora.adapters import LoraConfig
 from megarl.models.megatron.builder import build_model
+from megarl.models.weights.destination import RolloutLayout
 from megarl.parallel_state import megatron_groups
 from megarl.resharding import sync_weights
 from megarl.resharding.adapter_sync import push_weights
+from megarl.rollout.vllm import fp8_engine as vllm_fp8
 from megarl.rollout.vllm import lora as vllm_lora
 from megarl.rollout.vllm.engine import VLLMEngine
 
@@ -101,6 +103,10 @@ def main():
                              "are perturbed (as training moves them) and a second sync sends them alone; "
                              "the log-probs compared are after the second, and a third sync of the same "
                              "adapters must leave the engine's weights as they were (key 'adapter_sync')")
+    parser.add_argument("--rollout-quantization", default="none", choices=["none", "fp8"],
+                        help="fp8: a block-FP8 engine, quantized at each sync (rollout/vllm/fp8_engine.py); "
+                             "--loader-parity then compares with vLLM loading the same weights as a "
+                             "block-FP8 checkpoint")
     parser.add_argument("--export", default=None, metavar="DIR",
                         help="write DIR/hf (the perturbed actor, HF format) and DIR/samples.json "
                              "(the samples generated after the sync)")
@@ -125,7 +131,8 @@ def main():
 
     engine = VLLMEngine(args.hf_dir, rollout_tp=args.rollout_tp, rollout_ep=args.rollout_ep,
                         dtype=arch.dtype, seed=args.seed, return_routing=args.routing,
-                        router_fp32=not args.no_router_fp32, adapters=spec)
+                        router_fp32=not args.no_router_fp32, adapters=spec,
+                        quantization=args.rollout_quantization)
     prompts = verify.fixed_prompts(arch.vocab_size, args.prompts, args.seed)
     mine = [prompts[i] for i in engine.placement.share(len(prompts))]
     sampling = verify.default_sampling(args.max_new_tokens, args.seed)
@@ -182,7 +189,9 @@ def main():
     if args.export:
         verify.export_synced(chunks, arch, args.hf_dir, samples, args.export)
     if args.loader_parity:
-        parity = _per_rank(loader_parity(engine, chunks, arch, args.hf_dir), world)
+        fp8 = None if args.rollout_quantization == "none" else vllm_fp8.quantization_config(
+            arch, RolloutLayout(args.rollout_tp, args.rollout_ep))
+        parity = _per_rank(loader_parity(engine, chunks, arch, args.hf_dir, fp8), world)
         result.update({key: [r[key] for r in parity] for key in parity[0]})
     if megatron_groups.is_rank0():
         print(json.dumps(result))

@@ -28,6 +28,7 @@ KEYS = [
     "generation.agent.tool_workers", "generation.agent.sandbox", "generation.agent.sandbox_url",
     "generation.agent.sandbox_timeout_s", "generation.agent.sandbox_retries",
     "generation.gpu_memory_utilization", "generation.return_routing",
+    "rollout.quantization",
     "algo.advantage", "algo.gamma", "algo.lam", "algo.eps", "algo.whiten_advantages", "algo.lone_groups",
     "algo.kl_reward_coeff", "algo.kl_estimator", "algo.kl_clamp", "algo.reward", "algo.reward_by_source",
     "algo.reward_workers", "algo.reward_timeout_s", "algo.overlong_buffer",

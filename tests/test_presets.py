@@ -18,9 +18,9 @@ import torch
 
 from megarl.demo.arithmetic_task import arithmetic_records, train_tokenizer, write_jsonl
 from megarl.demo.task_inputs import write_task_inputs
-from megarl.models.hf.config import load_arch
+from megarl.models.hf.config import arch_from_hf_config, load_arch
 from megarl.models.megatron.config import check_te_dtype, gpu_switches, transformer_config
-from megarl.models.weights.destination import hf_tensors
+from megarl.models.weights.destination import RolloutLayout, hf_tensors, vllm_rank_tensors
 from megarl.parallel_state.dims import ParallelDims
 from megarl.planning import memory_plan, memory_record
 from megarl.planning.config import RunConfig
@@ -281,6 +281,22 @@ def test_every_gpu_preset_fits_an_h100_with_headroom(name, tmp_path):
     _, unaided = preset_memory(name, tmp_path / "unaided", *UNAIDED)
     assert not unaided["fits"] and unaided["binding_phase"] == "actor_update", unaided
     assert "actor.recompute" in memory_plan.refusal(unaided)
+
+
+def test_deepseek_v3_fp8_engines_plan_a_smaller_vllm_share_with_room_for_kv(tmp_path):
+    """With block-FP8 engine weights (issue 51) DeepSeek-V3's vLLM share is back at 0.6 with at
+    least 10 GB of KV cache per GPU; the same share would leave under 5 GB to bf16 engine weights,
+    counted here apart from the plan (every engine tensor, 2 bytes each)."""
+    config, fp8 = preset_memory("deepseek_v3_gpu.yaml", tmp_path)
+    assert config.rollout.quantization == "fp8" and config.generation.gpu_memory_utilization <= 0.6
+    assert fp8["engine_quantization"] == "fp8" and fp8["engine_kv_cache_gb"] >= 10, fp8
+    arch = arch_from_hf_config(DEEPSEEK_V3)
+    rollout = RolloutLayout(config.layout.rollout_tp, config.layout.rollout_ep)
+    bf16 = sum(t.numel for t in vllm_rank_tensors(arch, rollout, 0)) * 2 / memory_plan.GB
+    assert fp8["terms_gb"]["engine"] - bf16 < 5, (bf16, fp8["terms_gb"])
+    # 1 + 4/128^2 bytes against 2 per quantized weight; the embeddings, norms, routers, the dense
+    # MLPs and shared experts (not whole blocks at rollout TP32) stay bf16
+    assert 0.5 < fp8["terms_gb"]["engine_weights"] / bf16 < 0.52, (bf16, fp8["terms_gb"])
 
 
 def test_preflight_refuses_a_run_that_does_not_fit(tmp_path):

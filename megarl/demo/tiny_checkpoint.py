@@ -31,6 +31,13 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     # (columns of down_proj) end in partial 128 x 128 blocks.
     "deepseek_v3_fp8": dict(family="deepseek_v3", fp8=True, mtp_weights=True),
     "qwen3_moe_fp8": dict(family="qwen3_moe", fp8=True, moe_intermediate_size=192),
+    # bf16 checkpoints for block-FP8 engines (rollout/vllm/fp8_engine.py): every quantized slice
+    # whole 128-row blocks at rollout TP2 (expert width 256, KV heads of 128 rows per rank,
+    # q_lora_rank 128), as vLLM requires; two layers (DeepSeek: a dense one, then MoE).
+    "qwen3_moe_fp8_engine": dict(family="qwen3_moe", moe_intermediate_size=256,
+                                 num_key_value_heads=4, num_hidden_layers=2),
+    "deepseek_v3_fp8_engine": dict(family="deepseek_v3", moe_intermediate_size=256,
+                                   q_lora_rank=128, num_hidden_layers=2),
 }
 FAMILIES: Dict[str, Dict[str, Any]] = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),

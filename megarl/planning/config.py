@@ -16,7 +16,7 @@ from megarl.evaluation.config import EvalConfig
 from megarl.parallel_state.dims import ParallelDims
 from megarl.platform import device_choice
 from megarl.rewards.functions import RewardTable
-from megarl.rollout.config import AsyncConfig, DataConfig, GenerationConfig
+from megarl.rollout.config import AsyncConfig, DataConfig, GenerationConfig, RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -221,6 +221,7 @@ class RunConfig:
     seed: int = 0
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # the engines' weights
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)

@@ -60,6 +60,7 @@ from megarl.models.megatron.config import NO_RECOMPUTE, RecomputeConfig, padded_
 from megarl.models.memory.activations import layer_elements, stage_bytes_per_token
 from megarl.models.memory.activations_hybrid import recurrent_state_bytes
 from megarl.models.memory.held_params import HeldParams, held_params
+from megarl.models.weights import fp8_layout
 from megarl.models.weights.destination import RolloutLayout, hf_tensors, vllm_rank_tensors
 from megarl.parallel_state.dims import ParallelDims
 from megarl.planning.resolved import ResolvedRun
@@ -112,6 +113,7 @@ class MemoryRequest:
     runtime_bytes: float = 0.0  # not PyTorch tensors: CUDA context, NCCL, fragmentation
     colocated: bool = True  # False: engines on rollout ranks of their own (not planned here)
     actor_lora: Optional[LoraConfig] = None  # the actor trains these adapters alone (base frozen)
+    quantization: str = "none"  # rollout.quantization: "fp8" engines hold block-FP8 linear weights
 
     def __post_init__(self):
         if self.adam is not None and self.adam not in ADAM_KINDS:
@@ -245,7 +247,10 @@ def plan_memory(request: MemoryRequest) -> List[StagePlan]:
                   for rm in request.reward_models)
     itemsize = DTYPES[arch.dtype].itemsize
     tensors = _engine_tensors(request) if request.colocated else ()
-    engine_weights = sum(t.numel for t in tensors) * itemsize
+    # an FP8 engine's quantized weights: 1 byte each plus an fp32 scale per 128x128 block
+    fp8 = request.quantization == "fp8"
+    kept = set(fp8_layout.kept_in_bf16(arch, request.rollout)) if fp8 else set()
+    engine_weights = sum(fp8_layout.engine_bytes(t.name, t.shape, itemsize, fp8, kept) for t in tensors)
     if not request.colocated:
         engine = 0.0
     elif request.gpu:
@@ -253,7 +258,9 @@ def plan_memory(request: MemoryRequest) -> List[StagePlan]:
     else:
         engine = engine_weights + request.kv_cache_bytes
     shared = {"runtime": request.runtime_bytes, "engine_weights": engine_weights, "engine": engine,
-              "sync_buffers": peak_bound(tensors, request.bucket_bytes, itemsize) if tensors else 0.0,
+              # an FP8 engine's opened tensors (half of peak_bound) are its bf16 staging plus the codes
+              "sync_buffers": peak_bound(tensors, request.bucket_bytes, itemsize) * (1.25 if fp8 else 1.0)
+              if tensors else 0.0,
               "reward_models": rewards,
               "export_buffers": peak_bound(hf_tensors(arch), request.bucket_bytes, itemsize)
               if request.export_hf else 0.0}
@@ -346,6 +353,7 @@ def summary(request: MemoryRequest, stages: List[StagePlan]) -> dict:
         "binding_stage": binding.stage,
         "knobs": advice,
         "engine_kv_cache_gb": None if kv_cache is None else round(kv_cache / GB, 3),
+        "engine_quantization": request.quantization,  # terms_gb.engine_weights: FP8 codes + scales
         # Gated DeltaNet hybrids: each sequence's recurrent state and conv cache in an engine rank,
         # held beside the KV cache of the full-attention layers (activations_hybrid.py)
         "engine_linear_state_gb_per_sequence": round(recurrent_state_bytes(request.arch, request.rollout.tp)
@@ -415,4 +423,4 @@ def request_for_run(run: ResolvedRun, device_bytes: float, gpu: bool, runtime_by
         kv_cache_bytes=config.generation.kv_cache_gib * 2**30,
         bucket_bytes=layout.sync_bucket_mb * 2**20, export_hf=config.checkpoint.export_hf,
         reward_models=reward_models, runtime_bytes=runtime_bytes, colocated=not layout.disaggregated,
-        actor_lora=run.adapters)
+        actor_lora=run.adapters, quantization=config.rollout.quantization)

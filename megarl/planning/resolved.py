@@ -16,6 +16,8 @@ from megarl.evaluation.config import EvalConfig
 from megarl.models.hf.config import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.models.lora import peft_io
 from megarl.models.lora.adapters import LoraConfig
+from megarl.models.weights.destination import RolloutLayout
+from megarl.models.weights.fp8_layout import check_fp8_dtype, check_fp8_layout
 from megarl.parallel_state.dims import ParallelDims
 from megarl.planning.config import RunConfig
 from megarl.rewards.functions import RewardTable
@@ -53,7 +55,8 @@ def engine_spec(config: RunConfig, arch: ModelArch, adapters: Optional[LoraConfi
     return EngineSpec(config.model.hf_dir, arch.dtype, config.seed, rollout_tp=config.layout.rollout_tp,
                       rollout_ep=config.layout.rollout_ep, return_routing=config.engine_returns_routing,
                       router_fp32=config.model.router_fp32,
-                      adapters=AdapterSpec(arch, adapters) if adapters else None)
+                      adapters=AdapterSpec(arch, adapters) if adapters else None,
+                      quantization=config.rollout.quantization)
 
 
 def resolve(config: RunConfig, hf_config: Optional[dict] = None) -> ResolvedRun:
@@ -65,7 +68,14 @@ def resolve(config: RunConfig, hf_config: Optional[dict] = None) -> ResolvedRun:
     if config.engine_returns_routing and not arch.num_experts:
         raise ValueError(f"generation.return_routing / actor.router_replay=rollout need a MoE model; "
                          f"{arch.family} routes nothing: turn them off")
+    if config.rollout.quantization == "fp8":  # before any engine starts
+        check_fp8_dtype(arch.dtype)
+        check_fp8_layout(arch, RolloutLayout(config.layout.rollout_tp, config.layout.rollout_ep))
     adapters = peft_io.run_config(config.actor.lora, arch)
+    if adapters and config.rollout.quantization != "none":
+        raise ValueError("rollout.quantization='fp8' with actor.lora: the engines then take the adapters "
+                         "alone each sync, into LoRA slots or merged into weights that are FP8 codes, which "
+                         "megarl does not do yet; use rollout.quantization 'none' with LoRA")
     training = config.algo.reward_table
     tables = (training, *(spec.reward_table(training) for spec in config.eval.sets.values()))
     return ResolvedRun(config=config, hf_config=hf_config, arch=arch, dims=config.layout.dims(),

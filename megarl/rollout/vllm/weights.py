@@ -18,6 +18,7 @@ import torch
 from megarl.platform import device_choice
 from megarl.rollout.engine import WeightUpdateReport
 from megarl.rollout.vllm import cpu_fixes as vllm_cpu_fixes
+from megarl.rollout.vllm.fp8_engine import QuantizedWrites
 
 
 class InPlaceWriter:
@@ -32,6 +33,9 @@ class InPlaceWriter:
         self._real = {name.replace(".base_layer.", "."): name for name, _ in model.named_parameters()}
         self.names = list(self._real)
         self.written: Set[str] = set()
+        # FP8 engines (rollout/vllm/fp8_engine.py): the sync writes bf16 into staging tensors,
+        # quantized into codes and scales as each module closes; the scales are never planned.
+        self.fp8 = QuantizedWrites({name: self._load_dtype(name) for name in self.names}, model_config.dtype)
 
     def begin(self, expected: Dict[str, Tuple[int, ...]]) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
@@ -40,7 +44,7 @@ class InPlaceWriter:
         # Tensors vLLM derives while processing (MLA's W_UK_T and W_UV, from kv_b_proj) are gone
         # during a reload and made again when it finishes: nothing loads them.
         self.names = [name for name in self.names if self._loaded_at_load_time(name)]
-        shapes = {name: tuple(self._load_shape(name)) for name in self.names}
+        shapes = {name: tuple(self._load_shape(name)) for name in self.names if name not in self.fp8.derived}
         missing = sorted(set(shapes) - set(expected))
         unexpected = sorted(set(expected) - set(shapes))
         wrong = sorted(f"{n}: engine {shapes[n]}, plan {tuple(expected[n])}"
@@ -59,12 +63,19 @@ class InPlaceWriter:
         layer = self.model.get_submodule(module)
         return param in self._info(layer).restore_metadata[0] or hasattr(layer, param)
 
-    def _load_shape(self, name: str) -> torch.Size:
+    def _load_time(self, name: str) -> torch.Tensor:
+        """The parameter as vLLM's loaders see it (a meta tensor of its load-time shape and dtype)."""
         module, _, param = self._real[name].rpartition(".")
         layer = self.model.get_submodule(module)
         meta = self._info(layer).restore_metadata[0]
         # vLLM keeps a few tensors live through a reload (SKIP_TENSORS: biases, routing bias).
-        return meta[param].shape if param in meta else getattr(layer, param).shape
+        return meta[param] if param in meta else getattr(layer, param)
+
+    def _load_shape(self, name: str) -> torch.Size:
+        return self._load_time(name).shape
+
+    def _load_dtype(self, name: str) -> torch.dtype:
+        return self._load_time(name).dtype
 
     def open(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
         from vllm.model_executor.model_loader.reload.meta import materialize_layer
@@ -72,13 +83,16 @@ class InPlaceWriter:
         for module in dict.fromkeys(self._real[name].rpartition(".")[0] for name in names):
             layer = self.model.get_submodule(module)
             materialize_layer(layer, self._info(layer))
-        return {name: self.model.get_parameter(self._real[name]).data for name in names}
+        opened = {name: self.model.get_parameter(self._real[name]).data for name in names}
+        return {name: self.fp8.stage(name, t) if name in self.fp8.quantized else t
+                for name, t in opened.items()}
 
     def loaded(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
         """The open load-time tensors, as written so far (before close processes them)."""
         return {name: self.model.get_parameter(self._real[name]).data for name in names}
 
     def close(self, names: Sequence[str]) -> None:
+        self.written.update(self.fp8.quantize(self.model, self._real, names))
         for module in dict.fromkeys(self._real[name].rpartition(".")[0] for name in names):
             self._process(self.model.get_submodule(module))
         self.written.update(names)
