@@ -48,6 +48,7 @@ TIERS = {
     "test_device_memory": UNIT,
     "test_docs": UNIT,  # README.md and docs/*.md: length, links, anchors, config keys
     "test_dynamic_sampling": UNIT,
+    "test_fp8_quantizer": UNIT,
     "test_eval_config": UNIT,
     "test_eval_metrics": UNIT,
     "test_evaluate_script": UNIT,

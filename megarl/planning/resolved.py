@@ -16,6 +16,7 @@ from megarl.evaluation.config import EvalConfig
 from megarl.models.hf.config import ModelArch, arch_from_hf_config, load_hf_config
 from megarl.models.lora import peft_io
 from megarl.models.lora.adapters import LoraConfig
+from megarl.models.weights.tables import check_export_dtype
 from megarl.parallel_state.dims import ParallelDims
 from megarl.planning.config import RunConfig
 from megarl.rewards.functions import RewardTable
@@ -65,6 +66,8 @@ def resolve(config: RunConfig, hf_config: Optional[dict] = None) -> ResolvedRun:
     if config.engine_returns_routing and not arch.num_experts:
         raise ValueError(f"generation.return_routing / actor.router_replay=rollout need a MoE model; "
                          f"{arch.family} routes nothing: turn them off")
+    if config.checkpoint.export_hf:
+        check_export_dtype(arch.family, config.checkpoint.export_dtype, "checkpoint.export_dtype")
     adapters = peft_io.run_config(config.actor.lora, arch)
     training = config.algo.reward_table
     tables = (training, *(spec.reward_table(training) for spec in config.eval.sets.values()))
