@@ -48,6 +48,8 @@ TIERS = {
     "test_device_memory": UNIT,
     "test_docs": UNIT,  # README.md and docs/*.md: length, links, anchors, config keys
     "test_dynamic_sampling": UNIT,
+    # two torchrun launches (convert + FP8 export), vLLM's loader, transformers
+    "test_fp8_export": DISTRIBUTED,
     "test_fp8_quantizer": UNIT,
     "test_eval_config": UNIT,
     "test_eval_metrics": UNIT,
