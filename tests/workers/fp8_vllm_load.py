@@ -22,7 +22,8 @@ import torch
 from megarl.models.hf.safetensors_reader import SafetensorsReader
 
 # vLLM's fused parameters and the checkpoint tensors they concatenate along rows, in order.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+         "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
 EXPERTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
 
@@ -75,7 +76,8 @@ def main():
         model = initialize_model(vllm_config=config, model_config=config.model_config)
         get_model_loader(config.load_config).load_weights(model, config.model_config)
     reader = SafetensorsReader(args.hf_dir)
-    experts = getattr(config.model_config.hf_config, "num_experts", 0)
+    hf_config = config.model_config.hf_config
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", 0)
     compared, mismatched, missing, read = 0, [], [], set()
     for name, param in model.named_parameters():
         expected = _expected(name, reader, experts)
