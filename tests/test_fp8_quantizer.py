@@ -107,3 +107,22 @@ def test_families_without_a_block_fp8_export_are_refused(family, advice):
     check_export_dtype(family, "auto", "--dtype")
     with pytest.raises(ValueError, match=r"'fp16'.*\['auto', 'fp8'\]"):
         check_export_dtype("qwen3", "fp16", "checkpoint.export_dtype")
+
+
+def test_a_run_refuses_an_fp8_export_of_gpt_oss_before_it_starts(tmp_path):
+    """checkpoint.export_dtype: an unknown value when the config loads, a family without a block-FP8
+    export when the run resolves against its checkpoint (preflight), not after training."""
+    from megarl.demo.tiny_checkpoint import make_named
+    from megarl.planning.config import RunConfig
+    from megarl.planning.resolved import resolve
+    from megarl.planning.typed_config import load
+
+    base = [f"model.hf_dir={make_named('gpt_oss', str(tmp_path / 'gpt_oss'))}", "data.path=d.jsonl"]
+    with pytest.raises(ValueError, match=r"checkpoint.export_dtype='fp16': expected auto .* or fp8"):
+        load(RunConfig, None, [*base, "checkpoint.export_dtype=fp16"])
+    with pytest.raises(ValueError, match=r"checkpoint.export_dtype fp8: gpt_oss has no block-FP8 export; "
+                                         r"export in the model's dtype \(auto\), or its experts as MXFP4"):
+        resolve(load(RunConfig, None, [*base, "checkpoint.export_dtype=fp8"]))
+    # no export, nothing to refuse
+    assert resolve(load(RunConfig, None, [*base, "checkpoint.export_dtype=fp8",
+                                          "checkpoint.export_hf=false"]))

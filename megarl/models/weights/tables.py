@@ -142,7 +142,8 @@ def check_export_dtype(family: str, dtype: str, what: str) -> None:
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"{what} {dtype!r}: expected one of {list(EXPORT_DTYPES)}")
     if dtype == "fp8" and family in NO_FP8_EXPORT:
-        advice = ("export its experts as MXFP4 instead (--experts mxfp4)" if family == "gpt_oss"
+        advice = ("export in the model's dtype (auto), or its experts as MXFP4 as published "
+                  "(scripts/convert.py megatron-to-hf --experts mxfp4)" if family == "gpt_oss"
                   else "export in the model's dtype (auto)")
         raise ValueError(f"{what} fp8: {family} has no block-FP8 export; {advice}")
 
