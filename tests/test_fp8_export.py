@@ -25,7 +25,8 @@ from megarl.models.hf import fp8_blocks
 from tests.launch import last_json, run
 
 MODELS = {"qwen3": {}, "qwen3_moe": {"moe_intermediate_size": 128},
-          "deepseek_v3": {"moe_intermediate_size": 128, "q_lora_rank": 128}}
+          # its MTP layer stored: quantized as the other layers
+          "deepseek_v3": {"moe_intermediate_size": 128, "q_lora_rank": 128, "mtp_weights": True}}
 # How each is exported: the converter script's function, or the run's live export.
 HOW = {"qwen3": "megatron_to_hf_fp8", "qwen3_moe": "export_hf_fp8", "deepseek_v3": "megatron_to_hf_fp8"}
 # transformers 5.19 cannot dequantize DeepSeek-V3's kv_a_proj_with_mqa (576 rows: a partial block
@@ -89,9 +90,9 @@ def test_export_is_the_reference_quantization_of_the_source(model, exports):
     hf, fp8 = exports[model]
     source, written = _tensors(hf), _tensors(fp8)
     config = _config(fp8)
-    routers = sorted(n[:-len(".weight")] for n in source if n.endswith("mlp.gate.weight"))
-    assert config["quantization_config"] == {**fp8_blocks.FP8_CONFIG,
-                                             "modules_to_not_convert": ["lm_head", *routers]}
+    # the output layers (lm_head, an MTP layer's shared_head.head) and the routers
+    kept = sorted(n[:-len(".weight")] for n in source if n.endswith(("head.weight", "mlp.gate.weight")))
+    assert config["quantization_config"] == {**fp8_blocks.FP8_CONFIG, "modules_to_not_convert": kept}
     assert config["torch_dtype"] == "bfloat16"
     quantized = [n for n, t in source.items()
                  if fp8_blocks.is_quantized(n, tuple(t.shape), config["quantization_config"])]
@@ -115,7 +116,8 @@ def test_vllm_loads_every_parameter_bit_for_bit(model, exports):
     """vLLM's own loader (tests/workers/fp8_vllm_load.py: LLM() cannot build a block-FP8 model on
     this CPU) fills its fused, stacked FP8 parameters and scales with exactly the checkpoint's."""
     result = last_json(run("tests/workers/fp8_vllm_load.py", "--hf-dir", exports[model][1]))
-    assert result["mismatched"] == [] and result["unread"] == [], result
+    mtp = f"model.layers.{_config(exports[model][0])['num_hidden_layers']}."  # a drafter's, not read
+    assert result["mismatched"] == [] and all(n.startswith(mtp) for n in result["unread"]), result
     assert all(name.endswith(("attn.q_scale", "attn.k_scale", "attn.v_scale", "attn.prob_scale"))
                for name in result["not_in_checkpoint"]), result  # the KV cache's, not weights
     assert result["compared"] >= 4 * 6 + 3, result

@@ -20,6 +20,7 @@ without the source's quantization_config.
 Does not own the Megatron-checkpoint path (convert.py) or choosing when to export (the loop).
 """
 
+import functools
 import json
 import os
 import shutil
@@ -97,11 +98,18 @@ class HFDirectoryWriter:
                        else {name: tensor})
         return fuse(out)
 
+    def _quantize_mtp(self):
+        """How the MTP layers are written: quantized as the other layers in an FP8 export."""
+        if self.export_dtype != "fp8":
+            return None
+        quantization = fp8_blocks.export_quantization_config(self.hf_config.get("quantization_config"), ())
+        return functools.partial(fp8_blocks.quantize_tensors, quantization_config=quantization)
+
     def finish_weight_update(self) -> WeightUpdateReport:
         # The plan refuses to run unless it covers every tensor the architecture has, so what
         # was written is complete by construction.
         if self.writer:
-            mtp = mtp_weights.restore(self.arch, self.assets_dir, self.partial)
+            mtp = mtp_weights.restore(self.arch, self.assets_dir, self.partial, self._quantize_mtp())
             for note in mtp_weights.absent_notes(self.arch, len(mtp), self.assets_dir):
                 self.say(f"megarl: HF export {self.out_dir}: {note}")
             self.weight_map.update(mtp)

@@ -146,11 +146,14 @@ def export_quantization_config(source: Optional[Dict], names: Iterable[str]) -> 
 def quantize_tensors(tensors: Dict[str, torch.Tensor], quantization_config: Dict) -> Dict[str, torch.Tensor]:
     """HF tensors in the model's dtype -> a block-FP8 checkpoint's: each tensor is_quantized names
     as its e4m3 codes and fp32 `NAME_scale_inv`, the routing bias in fp32, every other tensor in
-    bf16. Quantized from the tensor as given (fp32 or bf16), not from a bf16 copy."""
+    bf16. Quantized from the tensor as given (fp32 or bf16), not from a bf16 copy. Codes and
+    scales already there (MTP layers copied from a block-FP8 source as they were) pass unchanged."""
     block = block_size(quantization_config)
     out = {}
     for name, tensor in tensors.items():
-        if is_quantized(name, tuple(tensor.shape), quantization_config):
+        if tensor.dtype == FP8_DTYPE or scale_name(name) in tensors or name.endswith("_scale_inv"):
+            out[name] = tensor
+        elif is_quantized(name, tuple(tensor.shape), quantization_config):
             out[name], out[scale_name(name)] = quantize(tensor, block)
         elif name.endswith(KEPT_IN_FP32):
             out[name] = tensor.float()

@@ -8,6 +8,7 @@ tensor in flight at a time), and the written checkpoint loads at any layout. Eac
 models/weights/mtp.py).
 """
 
+import functools
 import json
 import os
 import shutil
@@ -126,7 +127,11 @@ def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized"
     if dist.get_rank() == 0:
         weight_map = {name: file for file, file_names in all_names for name in file_names}
         assets = os.path.join(megatron_dir, checkpoint.ASSETS_DIR)
-        mtp = mtp_weights.restore(arch, assets if os.path.isdir(assets) else None, partial)
+        quantize = None
+        if dtype == "fp8":
+            quantization = fp8_blocks.export_quantization_config(source_config.get("quantization_config"), ())
+            quantize = functools.partial(fp8_blocks.quantize_tensors, quantization_config=quantization)
+        mtp = mtp_weights.restore(arch, assets if os.path.isdir(assets) else None, partial, quantize)
         notes = mtp_weights.absent_notes(arch, len(mtp), megatron_dir)
         weight_map.update(mtp)
         total_size = sum(os.path.getsize(os.path.join(partial, f)) for f in set(weight_map.values()))
@@ -134,7 +139,7 @@ def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized"
             json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f,
                       indent=2, sort_keys=True)
         if dtype == "fp8":
-            hf_config = fp8_blocks.export_config(source_config, [n for _, names in all_names for n in names])
+            hf_config = fp8_blocks.export_config(source_config, weight_map)  # the MTP layers' too
         with open(os.path.join(partial, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
         if os.path.isdir(assets):
