@@ -20,7 +20,6 @@ without the source's quantization_config.
 Does not own the Megatron-checkpoint path (convert.py) or choosing when to export (the loop).
 """
 
-import functools
 import json
 import os
 import shutil
@@ -52,7 +51,10 @@ class HFDirectoryWriter:
     def __init__(self, out_dir: str, hf_config: dict, assets_dir: str, dtype: torch.dtype,
                  arch: ModelArch, say: Callable[[str], None], links: Links, export_dtype: str = "auto"):
         self.out_dir, self.hf_config, self.assets_dir, self.dtype = out_dir, hf_config, assets_dir, dtype
-        self.arch, self.say, self.links, self.export_dtype = arch, say, links, export_dtype
+        self.arch, self.say, self.links = arch, say, links
+        # fp8: each bucket (and the MTP layers) quantized on rank 0 before its file is written
+        self.quantize = (fp8_blocks.quantizer(hf_config.get("quantization_config")) if export_dtype == "fp8"
+                         else None)
         self.partial = out_dir.rstrip("/") + ".partial"
         self.writer = links.rank == 0
         self.weight_map = {}
@@ -77,10 +79,8 @@ class HFDirectoryWriter:
         filename = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
         # Popped: each device tensor is freed as soon as its host copy exists.
         host = self._as_hf({name: self.open.pop(name).cpu() for name in names})
-        if self.export_dtype == "fp8":
-            # The source's block-FP8 config where it had one: its modules_to_not_convert decide.
-            host = fp8_blocks.quantize_tensors(host, fp8_blocks.export_quantization_config(
-                self.hf_config.get("quantization_config"), host))
+        if self.quantize:
+            host = self.quantize(host)
         save_file(host, os.path.join(self.partial, filename), metadata={"format": "pt"})
         self.weight_map.update({name: filename for name in host})
 
@@ -98,18 +98,11 @@ class HFDirectoryWriter:
                        else {name: tensor})
         return fuse(out)
 
-    def _quantize_mtp(self):
-        """How the MTP layers are written: quantized as the other layers in an FP8 export."""
-        if self.export_dtype != "fp8":
-            return None
-        quantization = fp8_blocks.export_quantization_config(self.hf_config.get("quantization_config"), ())
-        return functools.partial(fp8_blocks.quantize_tensors, quantization_config=quantization)
-
     def finish_weight_update(self) -> WeightUpdateReport:
         # The plan refuses to run unless it covers every tensor the architecture has, so what
         # was written is complete by construction.
         if self.writer:
-            mtp = mtp_weights.restore(self.arch, self.assets_dir, self.partial, self._quantize_mtp())
+            mtp = mtp_weights.restore(self.arch, self.assets_dir, self.partial, self.quantize)
             for note in mtp_weights.absent_notes(self.arch, len(mtp), self.assets_dir):
                 self.say(f"megarl: HF export {self.out_dir}: {note}")
             self.weight_map.update(mtp)
@@ -117,7 +110,7 @@ class HFDirectoryWriter:
             with open(os.path.join(self.partial, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": self.weight_map}, f,
                           indent=2, sort_keys=True)
-            config = (fp8_blocks.export_config(self.hf_config, self.weight_map) if self.export_dtype == "fp8"
+            config = (fp8_blocks.export_config(self.hf_config, self.weight_map) if self.quantize
                       else export_config(self.hf_config, mxfp4=False))
             with open(os.path.join(self.partial, "config.json"), "w") as f:
                 json.dump(config, f, indent=2)

@@ -10,7 +10,8 @@ turning an export's tensors into a block-FP8 checkpoint's. Does not own streamin
 (safetensors_reader.py) or writing files (models/weights/convert.py, resharding/hf_export.py).
 """
 
-from typing import Dict, Iterable, Optional, Tuple
+import functools
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -160,6 +161,13 @@ def quantize_tensors(tensors: Dict[str, torch.Tensor], quantization_config: Dict
         else:
             out[name] = tensor.to(torch.bfloat16)
     return out
+
+
+def quantizer(source: Optional[Dict]) -> Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]:
+    """quantize_tensors for an export whose source checkpoint had the quantization_config `source`:
+    a block-FP8 source's modules_to_not_convert decide which tensors are quantized; otherwise
+    is_quantized's own rule does (the modules FP8_CONFIG lists are among its bf16 ones)."""
+    return functools.partial(quantize_tensors, quantization_config=export_quantization_config(source, ()))
 
 
 def export_config(hf_config: Dict, names: Iterable[str]) -> Dict:

@@ -8,7 +8,6 @@ tensor in flight at a time), and the written checkpoint loads at any layout. Eac
 models/weights/mtp.py).
 """
 
-import functools
 import json
 import os
 import shutil
@@ -105,6 +104,7 @@ def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized"
     weight_tables.check_export_dtype(family, dtype, "--dtype")
     mxfp4 = weight_tables.MXFP4_EXPERTS[family] if experts == "mxfp4" else ()
     hf_config = export_config(source_config, bool(mxfp4))
+    quantize = fp8_blocks.quantizer(source_config.get("quantization_config")) if dtype == "fp8" else None
     arch, dims, partial, chunks = _start(hf_config, out_dir)
     world = dims.world_size
     checkpoint.load(chunks, megatron_dir)
@@ -113,12 +113,8 @@ def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized"
     names = []
     if megatron_groups.data().rank == 0:  # one writer per pipeline stage
         tensors = fuse({name: t.contiguous() for name, t in local_hf_tensors(chunks, arch)}, mxfp4)
-        if dtype == "fp8":
-            # The source's block-FP8 config where it had one: its modules_to_not_convert decide
-            # which tensors are quantized.
-            quantization = fp8_blocks.export_quantization_config(
-                source_config.get("quantization_config"), tensors)
-            tensors = fp8_blocks.quantize_tensors(tensors, quantization)
+        if quantize:
+            tensors = quantize(tensors)
         save_file(tensors, os.path.join(partial, filename), metadata={"format": "pt"})
         names = sorted(tensors)
     all_names = [None] * world
@@ -127,10 +123,6 @@ def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized"
     if dist.get_rank() == 0:
         weight_map = {name: file for file, file_names in all_names for name in file_names}
         assets = os.path.join(megatron_dir, checkpoint.ASSETS_DIR)
-        quantize = None
-        if dtype == "fp8":
-            quantization = fp8_blocks.export_quantization_config(source_config.get("quantization_config"), ())
-            quantize = functools.partial(fp8_blocks.quantize_tensors, quantization_config=quantization)
         mtp = mtp_weights.restore(arch, assets if os.path.isdir(assets) else None, partial, quantize)
         notes = mtp_weights.absent_notes(arch, len(mtp), megatron_dir)
         weight_map.update(mtp)
@@ -138,7 +130,7 @@ def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized"
         with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f,
                       indent=2, sort_keys=True)
-        if dtype == "fp8":
+        if quantize:
             hf_config = fp8_blocks.export_config(source_config, weight_map)  # the MTP layers' too
         with open(os.path.join(partial, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
