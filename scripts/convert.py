@@ -1,7 +1,7 @@
 """Convert a checkpoint between HF and megarl's Megatron format; the first argument is the direction.
 
   python scripts/convert.py hf-to-megatron --hf-dir IN --out OUT
-  python scripts/convert.py megatron-to-hf --megatron-dir IN --out OUT [--experts mxfp4]
+  python scripts/convert.py megatron-to-hf --megatron-dir IN --out OUT [--experts mxfp4] [--dtype fp8]
   torchrun --nproc-per-node N scripts/convert.py DIRECTION ...
 
 hf-to-megatron  an HF checkpoint (safetensors + config.json) into a Megatron distributed
@@ -41,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--experts", choices=("unquantized", "mxfp4"), default="unquantized",
                        help="routed experts in the model's dtype (default), or as MXFP4 blocks and "
                             "scales as gpt-oss is published (gpt-oss only)")
+    to_hf.add_argument("--dtype", choices=("auto", "fp8"), default="auto",
+                       help="the weights in the model's dtype (default), or block FP8 as DeepSeek-V3 "
+                            "and the Qwen3 -FP8 releases are published: 2-D linear weights as e4m3 "
+                            "codes with an fp32 weight_scale_inv per 128x128 block, the rest bf16 "
+                            "(not gpt-oss or the hybrids)")
     return parser
 
 
@@ -58,7 +63,7 @@ def main():
     if args.direction == "hf-to-megatron":
         result = convert.hf_to_megatron(args.hf_dir, args.out)
     else:
-        result = convert.megatron_to_hf(args.megatron_dir, args.out, args.experts)
+        result = convert.megatron_to_hf(args.megatron_dir, args.out, args.experts, args.dtype)
     if megatron_groups.is_rank0():
         print(json.dumps(result))
     megatron_groups.destroy()

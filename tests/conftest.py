@@ -53,6 +53,9 @@ TIERS = {
                                            "test_transformers_own_fp8_read_is_the_reference_where_it_is_right":
                                                UNIT,
                                            "test_other_formats_are_refused_by_name": UNIT}),
+    # two torchrun launches (convert + FP8 export), vLLM's loader, transformers
+    "test_fp8_export": DISTRIBUTED,
+    "test_fp8_quantizer": UNIT,
     "test_eval_config": UNIT,
     "test_eval_metrics": UNIT,
     "test_evaluate_script": UNIT,

@@ -59,7 +59,7 @@ KEYS = [
     "critic.recompute.granularity", "critic.recompute.method", "critic.recompute.num_layers",
     "critic.recompute.modules", "critic.optimizer_offload.fraction", "critic.optimizer_offload.exp_avg_dtype",
     "critic.optimizer_offload.exp_avg_sq_dtype",
-    "checkpoint.every", "checkpoint.keep", "checkpoint.export_hf",
+    "checkpoint.every", "checkpoint.keep", "checkpoint.export_hf", "checkpoint.export_dtype",
     "async.max_staleness", "async.partial_rollout", "async.max_engine_restarts",
     "eval.sets", "eval.every", "eval.at_start", "eval.samples", "eval.temperature", "eval.top_p",
     "eval.max_prompts", "eval.pass_k", "eval.threshold", "eval.max_new_tokens",

@@ -165,11 +165,17 @@ class CheckpointConfig:
     every: int = 0  # save every N steps and after the last one (0: never)
     keep: int = 2  # complete checkpoints kept; older ones are deleted after a save
     export_hf: bool = True  # write the final actor in HF format to run_dir/hf
+    # The export's weights: auto (the model's dtype) or fp8 (block FP8, as DeepSeek-V3 and the Qwen3
+    # -FP8 releases are published; models/hf/fp8_blocks.py). The family is checked in resolve().
+    export_dtype: str = "auto"
 
     def __post_init__(self):
         if self.every < 0 or self.keep < 1:
             raise ValueError(f"checkpoint.every={self.every} must be >= 0 (0: never) and "
                              f"checkpoint.keep={self.keep} >= 1")
+        if self.export_dtype not in ("auto", "fp8"):
+            raise ValueError(f"checkpoint.export_dtype={self.export_dtype!r}: expected auto (the "
+                             "model's dtype) or fp8 (block FP8)")
 
 
 # tracker -> (the module it imports, the package and version setup.py pins): what preflight asks

@@ -18,6 +18,7 @@ from megarl.models.lora import peft_io
 from megarl.models.lora.adapters import LoraConfig
 from megarl.models.weights.destination import RolloutLayout
 from megarl.models.weights.fp8_layout import check_fp8_dtype, check_fp8_layout
+from megarl.models.weights.tables import check_export_dtype
 from megarl.parallel_state.dims import ParallelDims
 from megarl.planning.config import RunConfig
 from megarl.rewards.functions import RewardTable
@@ -71,6 +72,8 @@ def resolve(config: RunConfig, hf_config: Optional[dict] = None) -> ResolvedRun:
     if config.rollout.quantization == "fp8":  # before any engine starts
         check_fp8_dtype(arch.dtype)
         check_fp8_layout(arch, RolloutLayout(config.layout.rollout_tp, config.layout.rollout_ep))
+    if config.checkpoint.export_hf:
+        check_export_dtype(arch.family, config.checkpoint.export_dtype, "checkpoint.export_dtype")
     adapters = peft_io.run_config(config.actor.lora, arch)
     if adapters and config.rollout.quantization != "none":
         raise ValueError("rollout.quantization='fp8' with actor.lora: the engines then take the adapters "

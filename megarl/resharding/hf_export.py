@@ -13,6 +13,10 @@ whole model. Staging in the transport instead would let it take off-device targe
 Writes into OUT.partial and renames it when the index, config and tokenizer files (and the
 untrained MTP layers, copied from the source checkpoint: models/weights/mtp.py) are in place; MTP
 layers the source declares but lacks stay absent, and the export says so through `say`.
+With dtype "fp8" each bucket is quantized to block FP8 on rank 0 before its file is written
+(models/hf/fp8_blocks.py; a bucket holds whole tensors), and config.json carries the
+quantization_config; otherwise the weights are written in the model's dtype, and config.json
+without the source's quantization_config.
 Does not own the Megatron-checkpoint path (convert.py) or choosing when to export (the loop).
 """
 
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from megarl.models.hf import fp8_blocks
 from megarl.models.hf.config import ModelArch
 from megarl.models.hf.fused_experts import export_config, fuse
 from megarl.models.weights import mtp as mtp_weights
@@ -35,18 +40,21 @@ from megarl.parallel_state.links import Links, WorldLinks
 from megarl.resharding.sync import sync_weights
 from megarl.rollout.engine import WeightLayout, WeightUpdateReport
 
-# DeepSeek-style checkpoints keep the routing bias in fp32 (Megatron's expert_bias is fp32 too).
-_FP32_TENSORS = ("e_score_correction_bias",)
+_FP32_TENSORS = fp8_blocks.KEPT_IN_FP32
 
 
 class HFDirectoryWriter:
     """The RolloutEngine surface sync_weights uses, writing HF files instead of loading them;
-    `links`: the sync's (its rank 0 writes; its device holds the received tensors)."""
+    `links`: the sync's (its rank 0 writes; its device holds the received tensors); `export_dtype`:
+    auto (the model's dtype) or fp8 (block FP8)."""
 
     def __init__(self, out_dir: str, hf_config: dict, assets_dir: str, dtype: torch.dtype,
-                 arch: ModelArch, say: Callable[[str], None], links: Links):
+                 arch: ModelArch, say: Callable[[str], None], links: Links, export_dtype: str = "auto"):
         self.out_dir, self.hf_config, self.assets_dir, self.dtype = out_dir, hf_config, assets_dir, dtype
         self.arch, self.say, self.links = arch, say, links
+        # fp8: each bucket (and the MTP layers) quantized on rank 0 before its file is written
+        self.quantize = (fp8_blocks.quantizer(hf_config.get("quantization_config")) if export_dtype == "fp8"
+                         else None)
         self.partial = out_dir.rstrip("/") + ".partial"
         self.writer = links.rank == 0
         self.weight_map = {}
@@ -71,6 +79,8 @@ class HFDirectoryWriter:
         filename = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
         # Popped: each device tensor is freed as soon as its host copy exists.
         host = self._as_hf({name: self.open.pop(name).cpu() for name in names})
+        if self.quantize:
+            host = self.quantize(host)
         save_file(host, os.path.join(self.partial, filename), metadata={"format": "pt"})
         self.weight_map.update({name: filename for name in host})
 
@@ -92,7 +102,7 @@ class HFDirectoryWriter:
         # The plan refuses to run unless it covers every tensor the architecture has, so what
         # was written is complete by construction.
         if self.writer:
-            mtp = mtp_weights.restore(self.arch, self.assets_dir, self.partial)
+            mtp = mtp_weights.restore(self.arch, self.assets_dir, self.partial, self.quantize)
             for note in mtp_weights.absent_notes(self.arch, len(mtp), self.assets_dir):
                 self.say(f"megarl: HF export {self.out_dir}: {note}")
             self.weight_map.update(mtp)
@@ -100,8 +110,10 @@ class HFDirectoryWriter:
             with open(os.path.join(self.partial, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": self.weight_map}, f,
                           indent=2, sort_keys=True)
+            config = (fp8_blocks.export_config(self.hf_config, self.weight_map) if self.quantize
+                      else export_config(self.hf_config, mxfp4=False))
             with open(os.path.join(self.partial, "config.json"), "w") as f:
-                json.dump(self.hf_config, f, indent=2)
+                json.dump(config, f, indent=2)
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(self.assets_dir, name)):
                     shutil.copy2(os.path.join(self.assets_dir, name), self.partial)
@@ -116,16 +128,15 @@ def _to_stderr(text: str) -> None:
 
 
 def export_hf(chunks: List[torch.nn.Module], arch: ModelArch, hf_config: dict, tokenizer_dir: str,
-              out_dir: str, say: Callable[[str], None] = _to_stderr) -> str:
-    """Collective: write the model held by `chunks` to `out_dir` in HF format; `tokenizer_dir` (the
-    source HF checkpoint) also gives the MTP layers. Rank 0 passes its notes to `say` (the run's
-    console in the loop)."""
+              out_dir: str, say: Callable[[str], None] = _to_stderr, export_dtype: str = "auto") -> str:
+    """Collective: write the model held by `chunks` to `out_dir` in HF format, its weights in the
+    model's dtype or block FP8 (`export_dtype` auto | fp8); `tokenizer_dir` (the source HF
+    checkpoint) also gives the MTP layers. Rank 0 passes its notes to `say` (the run's console in
+    the loop)."""
+    weight_tables.check_export_dtype(arch.family, export_dtype, "export dtype")
     dtype = next(chunks[0].parameters()).dtype
-    # The weights written are unquantized: a block-FP8 (or MXFP4) source's quantization_config
-    # would have transformers and vLLM read them as codes.
-    hf_config = export_config(hf_config, mxfp4=False)
     links = WorldLinks()
-    sync_weights(chunks, arch, HFDirectoryWriter(out_dir, hf_config, tokenizer_dir, dtype, arch, say, links),
-                 links=links)
+    writer = HFDirectoryWriter(out_dir, hf_config, tokenizer_dir, dtype, arch, say, links, export_dtype)
+    sync_weights(chunks, arch, writer, links=links)
     dist.barrier()
     return out_dir

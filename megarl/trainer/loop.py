@@ -276,7 +276,8 @@ def train(resolved: ResolvedRun, resume: Optional[str] = None) -> dict:
     log.close()
     if config.checkpoint.export_hf:  # with the adapters merged in, as the engine generates
         export_hf(run.actor.state.chunks, run.arch, resolved.hf_config, config.model.hf_dir,
-                  os.path.join(config.run_dir, "hf"), say=console.say)
+                  os.path.join(config.run_dir, "hf"), say=console.say,
+                  export_dtype=config.checkpoint.export_dtype)
     if resolved.adapters is not None:
         peft_io.save(run.actor.state.chunks, run.arch, resolved.adapters,
                      os.path.join(config.run_dir, "lora"), config.model.hf_dir)

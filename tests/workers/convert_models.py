@@ -9,10 +9,12 @@ Jobs: ["hf_to_megatron", HF, OUT], ["megatron_to_hf", MEGATRON, OUT], and ["expo
 HF, OUT]: the model loaded from MEGATRON exported as the training loop exports it at the end of a
 run (megarl.resharding.hf_export), HF being the run's model.hf_dir. ["hf_to_megatron_peak_rss",
 HF, OUT] is hf_to_megatron measuring each rank's peak resident memory above what it held before
-(its line's `peak_rss`: bytes per rank).
+(its line's `peak_rss`: bytes per rank); "megatron_to_hf_fp8" and "export_hf_fp8" export as
+megatron_to_hf and export_hf do, in block FP8 (--dtype fp8, checkpoint.export_dtype=fp8).
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -28,7 +30,7 @@ from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding.hf_export import export_hf
 
 
-def live_export(megatron_dir: str, hf_dir: str, out_dir: str) -> dict:
+def live_export(megatron_dir: str, hf_dir: str, out_dir: str, export_dtype: str = "auto") -> dict:
     """{"notes": what the export said}."""
     hf_config = checkpoint.read_model_file(megatron_dir)["hf_config"]
     arch = arch_from_hf_config(hf_config)
@@ -37,7 +39,7 @@ def live_export(megatron_dir: str, hf_dir: str, out_dir: str) -> dict:
     chunks = build_model(arch, dims, perform_initialization=False)
     checkpoint.load(chunks, megatron_dir)
     notes = []
-    export_hf(chunks, arch, hf_config, hf_dir, out_dir, say=notes.append)
+    export_hf(chunks, arch, hf_config, hf_dir, out_dir, say=notes.append, export_dtype=export_dtype)
     return {"notes": notes}
 
 
@@ -60,7 +62,9 @@ def peak_rss_conversion(hf_dir: str, out_dir: str) -> dict:
 
 
 DIRECTIONS = {"hf_to_megatron": hf_to_megatron, "megatron_to_hf": megatron_to_hf, "export_hf": live_export,
-              "hf_to_megatron_peak_rss": peak_rss_conversion}
+              "hf_to_megatron_peak_rss": peak_rss_conversion,
+              "megatron_to_hf_fp8": functools.partial(megatron_to_hf, dtype="fp8"),
+              "export_hf_fp8": functools.partial(live_export, export_dtype="fp8")}
 
 
 def _line(rank0: bool, record: dict) -> None:

@@ -4,12 +4,14 @@ A 2-D weight [m, n] is stored as float8 e4m3 codes of the same shape plus one fp
 128 x 128 block (`weight_scale_inv`, [ceil(m/128), ceil(n/128)]; the last blocks along each
 dimension may be partial). Dequantized, a code times its block's scale is the weight.
 
-Owns: the quantizer and the dequantizer (pure functions) and reading the config's
-`quantization_config`. Does not own which tensors a checkpoint quantizes (models/weights/
-tables.py) or streaming shards (safetensors_reader.py).
+Owns: the quantizer and the dequantizer (pure functions), reading the config's
+`quantization_config` and writing an export's, which HF tensors a checkpoint quantizes, and
+turning an export's tensors into a block-FP8 checkpoint's. Does not own streaming shards
+(safetensors_reader.py) or writing files (models/weights/convert.py, resharding/hf_export.py).
 """
 
-from typing import Dict, Optional, Tuple
+import functools
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -95,7 +97,7 @@ def block_size(quantization_config: Optional[Dict]) -> Optional[Tuple[int, int]]
 # Tensors a block-FP8 checkpoint keeps in bf16 whatever its modules_to_not_convert says: the
 # embeddings, the output layer (lm_head; DeepSeek's MTP shared_head.head), the norms, the routers.
 _KEPT_IN_BF16 = ("embed_tokens.", "lm_head.", "shared_head.head.", "norm.", "layernorm.",
-                 "mlp.gate.")
+                 "mlp.gate.", "block_sparse_moe.gate.")  # the last: Mixtral's router
 
 
 def is_quantized(name: str, shape: Tuple[int, ...], quantization_config: Dict) -> bool:
@@ -115,3 +117,65 @@ def is_quantized(name: str, shape: Tuple[int, ...], quantization_config: Dict) -
 def scale_name(name: str) -> str:
     """The scale tensor beside a quantized weight: `X.weight` -> `X.weight_scale_inv`."""
     return name + "_scale_inv"
+
+
+# config.json's quantization_config of an FP8 export, as DeepSeek-V3 and the Qwen3 `-FP8` releases
+# publish it (export_quantization_config adds the modules kept in bf16).
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": [BLOCK[0], BLOCK[1]]}
+# The linear layers among the bf16 tensors above. vLLM's Fp8Config and transformers' FP8 loader
+# quantize every linear layer the config does not list (Qwen3-MoE's and Mixtral's routers among
+# them) and would then look for scales the checkpoint does not have; the embeddings and norms are
+# not linear layers and need no listing.
+_LINEAR_IN_BF16 = ("lm_head.", "shared_head.head.", "mlp.gate.", "block_sparse_moe.gate.")
+# Kept in fp32 as published (DeepSeek-V3's routing bias; Megatron's expert_bias is fp32 too).
+KEPT_IN_FP32 = ("e_score_correction_bias",)
+
+
+def export_quantization_config(source: Optional[Dict], names: Iterable[str]) -> Dict:
+    """The quantization_config of a block-FP8 export whose tensors are `names` (the unquantized HF
+    names): the source checkpoint's where it was block FP8 (its modules_to_not_convert included),
+    else FP8_CONFIG listing the linear layers kept in bf16 in modules_to_not_convert, as the
+    Qwen3 `-FP8` releases do."""
+    if source and block_size(source) is not None:
+        return dict(source)
+    kept = sorted({name[:-len(".weight")] for name in names
+                   if name.endswith(".weight") and any(part in name for part in _LINEAR_IN_BF16)})
+    return {**FP8_CONFIG, "modules_to_not_convert": kept}
+
+
+def quantize_tensors(tensors: Dict[str, torch.Tensor], quantization_config: Dict) -> Dict[str, torch.Tensor]:
+    """HF tensors in the model's dtype -> a block-FP8 checkpoint's: each tensor is_quantized names
+    as its e4m3 codes and fp32 `NAME_scale_inv`, the routing bias in fp32, every other tensor in
+    bf16. Quantized from the tensor as given (fp32 or bf16), not from a bf16 copy. Codes and
+    scales already there (MTP layers copied from a block-FP8 source as they were) pass unchanged."""
+    block = block_size(quantization_config)
+    out = {}
+    for name, tensor in tensors.items():
+        if tensor.dtype == FP8_DTYPE or scale_name(name) in tensors or name.endswith("_scale_inv"):
+            out[name] = tensor
+        elif is_quantized(name, tuple(tensor.shape), quantization_config):
+            out[name], out[scale_name(name)] = quantize(tensor, block)
+        elif name.endswith(KEPT_IN_FP32):
+            out[name] = tensor.float()
+        else:
+            out[name] = tensor.to(torch.bfloat16)
+    return out
+
+
+def quantizer(source: Optional[Dict]) -> Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]:
+    """quantize_tensors for an export whose source checkpoint had the quantization_config `source`:
+    a block-FP8 source's modules_to_not_convert decide which tensors are quantized; otherwise
+    is_quantized's own rule does (the modules FP8_CONFIG lists are among its bf16 ones)."""
+    return functools.partial(quantize_tensors, quantization_config=export_quantization_config(source, ()))
+
+
+def export_config(hf_config: Dict, names: Iterable[str]) -> Dict:
+    """config.json of a block-FP8 export whose tensors are `names`: its quantization_config
+    (export_quantization_config), and bf16 as the dtype of the tensors left unquantized."""
+    config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    config["quantization_config"] = export_quantization_config(hf_config.get("quantization_config"), names)
+    config["torch_dtype"] = "bfloat16"
+    if "dtype" in config:  # newer transformers write this key, and read it before torch_dtype
+        config["dtype"] = "bfloat16"
+    return config

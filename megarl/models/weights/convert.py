@@ -15,6 +15,7 @@ import shutil
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from megarl.models.hf import fp8_blocks
 from megarl.models.hf.config import arch_from_hf_config, load_hf_config
 from megarl.models.hf.fused_experts import export_config, fuse
 from megarl.models.hf.safetensors_reader import SafetensorsReader
@@ -91,15 +92,19 @@ def _count_tensors(hf_dir: str) -> int:
 EXPERT_FORMATS = ("unquantized", "mxfp4")
 
 
-def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized") -> dict:
-    """`experts`: the routed experts in the model's dtype, or as MXFP4 blocks and scales (gpt-oss)."""
-    hf_config = checkpoint.read_model_file(megatron_dir)["hf_config"]
-    family = arch_from_hf_config(hf_config).family
+def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized",
+                   dtype: str = "auto") -> dict:
+    """`experts`: the routed experts in the model's dtype, or as MXFP4 blocks and scales (gpt-oss).
+    `dtype`: the weights in the model's dtype (auto), or block FP8 (fp8: models/hf/fp8_blocks.py)."""
+    source_config = checkpoint.read_model_file(megatron_dir)["hf_config"]
+    family = arch_from_hf_config(source_config).family
     if experts not in EXPERT_FORMATS or (experts == "mxfp4" and family not in weight_tables.MXFP4_EXPERTS):
         raise ValueError(f"--experts {experts}: {family} exports its experts as one of "
                          f"{['unquantized', *(['mxfp4'] if family in weight_tables.MXFP4_EXPERTS else [])]}")
+    weight_tables.check_export_dtype(family, dtype, "--dtype")
     mxfp4 = weight_tables.MXFP4_EXPERTS[family] if experts == "mxfp4" else ()
-    hf_config = export_config(hf_config, bool(mxfp4))
+    hf_config = export_config(source_config, bool(mxfp4))
+    quantize = fp8_blocks.quantizer(source_config.get("quantization_config")) if dtype == "fp8" else None
     arch, dims, partial, chunks = _start(hf_config, out_dir)
     world = dims.world_size
     checkpoint.load(chunks, megatron_dir)
@@ -108,6 +113,8 @@ def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized"
     names = []
     if megatron_groups.data().rank == 0:  # one writer per pipeline stage
         tensors = fuse({name: t.contiguous() for name, t in local_hf_tensors(chunks, arch)}, mxfp4)
+        if quantize:
+            tensors = quantize(tensors)
         save_file(tensors, os.path.join(partial, filename), metadata={"format": "pt"})
         names = sorted(tensors)
     all_names = [None] * world
@@ -116,13 +123,15 @@ def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized"
     if dist.get_rank() == 0:
         weight_map = {name: file for file, file_names in all_names for name in file_names}
         assets = os.path.join(megatron_dir, checkpoint.ASSETS_DIR)
-        mtp = mtp_weights.restore(arch, assets if os.path.isdir(assets) else None, partial)
+        mtp = mtp_weights.restore(arch, assets if os.path.isdir(assets) else None, partial, quantize)
         notes = mtp_weights.absent_notes(arch, len(mtp), megatron_dir)
         weight_map.update(mtp)
         total_size = sum(os.path.getsize(os.path.join(partial, f)) for f in set(weight_map.values()))
         with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f,
                       indent=2, sort_keys=True)
+        if quantize:
+            hf_config = fp8_blocks.export_config(source_config, weight_map)  # the MTP layers' too
         with open(os.path.join(partial, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
         if os.path.isdir(assets):

@@ -16,7 +16,7 @@ config as it came (transformers and vLLM load it: they build no MTP layers), and
 import json
 import os
 import re
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 from safetensors.torch import save_file
 
@@ -69,14 +69,17 @@ def source(folder: str, arch: ModelArch):
     return reader
 
 
-def copy(arch: ModelArch, reader, out_dir: str, prefix: str = "mtp") -> Dict[str, str]:
+def copy(arch: ModelArch, reader, out_dir: str, prefix: str = "mtp",
+         convert: Optional[Callable[[Dict], Dict]] = None) -> Dict[str, str]:
     """Write the reader's MTP tensors into out_dir as PREFIX-NNNNN.safetensors files, about 1 GiB
-    each; return their weight map (name -> file name)."""
+    each, each file's tensors through `convert` when given; return their weight map (name -> file
+    name)."""
     weight_map, batch, size = {}, {}, 0
 
     def flush():
         nonlocal batch, size
         if batch:
+            batch = convert(batch) if convert else batch
             filename = f"{prefix}-{len(set(weight_map.values())) + 1:05d}.safetensors"
             save_file(batch, os.path.join(out_dir, filename), metadata={"format": "pt"})
             weight_map.update({name: filename for name in batch})
@@ -106,14 +109,16 @@ def keep_in_assets(arch: ModelArch, hf_dir: str, assets_dir: str) -> int:
     return len(weight_map)
 
 
-def restore(arch: ModelArch, folder: Optional[str], out_dir: str) -> Dict[str, str]:
+def restore(arch: ModelArch, folder: Optional[str], out_dir: str,
+            convert: Optional[Callable[[Dict], Dict]] = None) -> Dict[str, str]:
     """-> HF: the MTP tensors of `folder` (HF folder or hf_assets) into out_dir as
-    mtp-NNNNN.safetensors; returns the entries to add to the HF index."""
+    mtp-NNNNN.safetensors, through `convert` when given (an FP8 export quantizes them as its other
+    layers); returns the entries to add to the HF index."""
     reader = source(folder, arch) if folder else None
     if reader is None:
         return {}
     try:
-        return copy(arch, reader, out_dir)
+        return copy(arch, reader, out_dir, convert=convert)
     finally:
         reader.close()
 

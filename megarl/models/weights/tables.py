@@ -12,7 +12,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-from megarl.models.hf.config import ModelArch
+from megarl.models.hf.config import HYBRIDS, ModelArch
 from megarl.models.hf.fused_experts import sliced
 from megarl.models.megatron.config import padded_vocab_size
 from megarl.models.weights import transforms as wt
@@ -129,6 +129,23 @@ FUSED_EXPERTS = {"gpt_oss": ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_pr
                              "mlp.experts.down_proj", "mlp.experts.down_proj_bias")}
 # Those an export may write as MXFP4 blocks and scales (scripts/convert.py --experts mxfp4).
 MXFP4_EXPERTS = {"gpt_oss": ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
+# The dtypes an HF export writes its weights in: the model's, or block FP8 (models/hf/fp8_blocks.py).
+EXPORT_DTYPES = ("auto", "fp8")
+# Families without a block-FP8 export: gpt-oss is published with MXFP4 experts in fused 3-D
+# tensors, which block FP8 does not cover (its export is --experts mxfp4), and the hybrids'
+# linear-attention layers have no block-FP8 layout checked against vLLM and transformers here.
+NO_FP8_EXPORT = ("gpt_oss", *HYBRIDS)
+
+
+def check_export_dtype(family: str, dtype: str, what: str) -> None:
+    """Refuse an export dtype the family cannot be written in, naming `what` set it."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"{what} {dtype!r}: expected one of {list(EXPORT_DTYPES)}")
+    if dtype == "fp8" and family in NO_FP8_EXPORT:
+        advice = ("export in the model's dtype (auto), or its experts as MXFP4 as published "
+                  "(scripts/convert.py megatron-to-hf --experts mxfp4)" if family == "gpt_oss"
+                  else "export in the model's dtype (auto)")
+        raise ValueError(f"{what} fp8: {family} has no block-FP8 export; {advice}")
 
 _LINEAR = "model.layers.{layer}.linear_attn."
 # Gated DeltaNet hybrids (Qwen3-Next): linear attention in most layers, gated full attention in
