@@ -4,7 +4,7 @@ two pipeline stages: the codes and scales are the reference quantizer's (vLLM's
 per_block_cast_to_fp8) of the source weights, the other tensors the source's in bf16, config.json
 carries the published quantization_config; vLLM's own loader reads every parameter back
 bit for bit; transformers loads it, computing what it computes from our dequantized weights, and
-log-probs near the source's; and dequantize -> convert -> export again is a fixed point.
+log-probs near the source's; and an FP8 checkpoint converted and exported again keeps every code.
 
 The MoE models' expert width is 128: vLLM 0.32 refuses to load block-FP8 experts narrower than a
 block (its scale-refining loader breaks on down_proj), which no published checkpoint has; and
@@ -145,29 +145,50 @@ def test_transformers_loads_it_and_log_probs_stay_near_the_source(model, exports
     assert 0 < gaps.max() < LOGPROB_BAR[0] and gaps.mean() < LOGPROB_BAR[1], gaps
 
 
-def test_dequantize_convert_export_is_a_fixed_point(exports, tmp_path):
-    """An FP8 export dequantized into fp32 and bf16 checkpoints, converted and exported in FP8
-    again: every code comes back (the training dtype's rounding is far below half an e4m3 ulp),
-    each scale within that rounding: the block's largest value, code 448 times the scale, rounded
-to the dtype and divided by 448 in fp32 (fp32: 2 roundings of 2^-24 relative, bf16: 2^-8 + 2^-24)."""
+def _in_dtype(fp8_dir: str, out_dir: str, dtype: torch.dtype) -> str:
+    """The block-FP8 checkpoint `fp8_dir` unchanged, its config.json naming `dtype` as the one to
+    dequantize into (the training dtype the converter takes from it)."""
+    os.makedirs(out_dir)
+    for path in glob.glob(os.path.join(fp8_dir, "*.safetensors*")):
+        os.symlink(path, os.path.join(out_dir, os.path.basename(path)))
+    name = str(dtype).removeprefix("torch.")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({**_config(fp8_dir), "torch_dtype": name, "dtype": name}, f)
+    return out_dir
+
+
+def test_fp8_checkpoint_to_megatron_and_back_keeps_every_code(exports, tmp_path):
+    """Block-FP8 checkpoints read straight into Megatron (dequantized into fp32 or bf16), exported
+    in FP8 again: every code comes back (the training dtype's rounding is far below half an e4m3
+    ulp), each scale within that rounding: the block's largest value, code 448 times the scale,
+    rounded to the dtype and divided by 448 in fp32 (fp32: 2 roundings of 2^-24 relative, bf16:
+    2^-8 + 2^-24), and the source's quantization_config kept. The checkpoints: this module's
+    exports, and the published-layout ones (scripts/make_tiny_model.py --fp8: Qwen3-MoE experts 192
+    wide, ending in partial blocks; DeepSeek-V3 with MLA's 576-row kv_a_proj_with_mqa and its MTP
+    layer)."""
+    from megarl.demo.tiny_checkpoint import make_named
+
+    sources = {model: exports[model][1] for model in IN_TRANSFORMERS}
+    for name in ("qwen3_moe_fp8", "deepseek_v3_fp8"):
+        sources[name] = make_named(name, str(tmp_path / name))
     jobs, cases = [], []
-    for model in IN_TRANSFORMERS:
-        fp8 = exports[model][1]
+    for model, fp8 in sources.items():
         for dtype in (torch.float32, torch.bfloat16):
             name = f"{model}_{str(dtype)[6:]}"
-            plain = _dequantized(fp8, str(tmp_path / name), dtype)
+            source = _in_dtype(fp8, str(tmp_path / name), dtype)
             megatron, again = str(tmp_path / f"{name}_megatron"), str(tmp_path / f"{name}_fp8")
-            jobs += [["hf_to_megatron", plain, megatron], ["megatron_to_hf_fp8", megatron, again]]
+            jobs += [["hf_to_megatron", source, megatron], ["megatron_to_hf_fp8", megatron, again]]
             cases.append((fp8, again, 2 ** -23 if dtype == torch.float32 else 2 ** -8 + 2 ** -24))
     run("tests/workers/convert_models.py", "--jobs", json.dumps(jobs), nproc=1, timeout=900)
     for first, again, rounding in cases:
         a, b = _tensors(first), _tensors(again)
         assert sorted(a) == sorted(b)
+        assert _config(again)["quantization_config"] == _config(first)["quantization_config"]
         codes = [n for n in a if a[n].dtype == torch.float8_e4m3fn]
         changed = sum(int((a[n].view(torch.uint8) != b[n].view(torch.uint8)).sum()) for n in codes)
         total = sum(a[n].numel() for n in codes)
         scales = [fp8_blocks.scale_name(n) for n in codes]
         drift = max(((b[n] - a[n]).abs() / a[n]).max().item() for n in scales)
         print(f"{os.path.basename(again)}: {changed} of {total} FP8 codes changed, scales within {drift:.2e}")
-        assert changed == 0
+        assert codes and changed == 0
         assert drift <= rounding, drift
