@@ -12,8 +12,8 @@ quantizing the full tensor and slicing it only where every rank's slice holds wh
 vLLM itself requires at TP > 1 (vllm fp8_utils.validate_fp8_block_shape) and
 models/weights/fp8_layout.py checks before any work. Quantizing on the receiver moves bf16 bytes
 (2 per weight) where the sender could send 1 + 4/16384; the plan stays the bf16 one.
-The writer follows the engine's load-time dtypes, not the setting: an engine vLLM builds FP8
-from its checkpoint's own quantization_config would be synced the same way (not tested here).
+A block-FP8 checkpoint's own quantization_config never decides: with rollout.quantization none
+its engine is built unquantized (rollout/vllm/unquantized.py), with fp8 with this module's config.
 
 Owns: the engine arguments, which engine tensors are quantized, the staging and quantization at
 sync time. Does not own the quantizer (models/hf/fp8_blocks.py) or the layout rules
