@@ -41,6 +41,9 @@ def test_checkpoint_of_another_model_is_refused_naming_the_field(tmp_path):
     config = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4, "hidden_size": 256}
     (tmp_path / checkpoint.MODEL_FILE).write_text(json.dumps({"role": "policy", "hf_config": config}))
     checkpoint.require_model(str(tmp_path), dict(config), "hf")  # the same model passes
+    # ... stored otherwise too: converted from a block-FP8 copy, run with the bf16 one
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    checkpoint.require_model(str(tmp_path), {**config, "quantization_config": fp8}, "hf")
     with pytest.raises(ValueError, match=r"fields \['num_hidden_layers'\] differ \(e.g. num_hidden_layers: "
                                          r"4 vs 8\)"):
         checkpoint.require_model(str(tmp_path), {**config, "num_hidden_layers": 8}, "hf")
