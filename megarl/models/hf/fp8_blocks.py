@@ -23,7 +23,8 @@ BLOCK = (128, 128)
 AMAX_FLOOR = 1e-4
 
 
-def _blocks(shape: Tuple[int, int], block: Tuple[int, int]) -> Tuple[int, int]:
+def scale_shape(shape: Tuple[int, int], block: Tuple[int, int]) -> Tuple[int, int]:
+    """The block grid of a 2-D weight: the shape of its weight_scale_inv."""
     return -(-shape[0] // block[0]), -(-shape[1] // block[1])
 
 
@@ -34,7 +35,7 @@ def quantize(weight: torch.Tensor, block: Tuple[int, int] = BLOCK) -> Tuple[torc
     if weight.dim() != 2:
         raise ValueError(f"block FP8 quantizes 2-D weights; got shape {tuple(weight.shape)}")
     m, n = weight.shape
-    rows, cols = _blocks((m, n), block)
+    rows, cols = scale_shape((m, n), block)
     padded = weight.new_zeros(rows * block[0], cols * block[1])
     padded[:m, :n] = weight
     view = padded.view(rows, block[0], cols, block[1])
@@ -50,7 +51,7 @@ def dequantize(codes: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype 
     then cast to `dtype`."""
     if codes.dim() != 2:
         raise ValueError(f"block FP8 weights are 2-D; got codes of shape {tuple(codes.shape)}")
-    expected = _blocks(tuple(codes.shape), block)
+    expected = scale_shape(tuple(codes.shape), block)
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"weight_scale_inv of shape {tuple(scale_inv.shape)} does not match codes "
                          f"of shape {tuple(codes.shape)} in {block[0]}x{block[1]} blocks (expected "

@@ -59,7 +59,7 @@ class Fp8BlocksReader:
                 raise ValueError(f"{where!r}: {name} has a {_SCALE} but is {codes.get_dtype()} of "
                                  f"shape {shape}; block FP8 weights are 2-D F8_E4M3 (float8_e4m3fn)")
             scale = tuple(self._header(name + _SCALE).get_shape())
-            expected = tuple(-(-n // b) for n, b in zip(shape, self._block))
+            expected = fp8_blocks.scale_shape(shape, self._block)
             if scale != expected:
                 raise ValueError(f"{where!r}: {name}{_SCALE} has shape {scale}, but {name} of shape "
                                  f"{shape} in the config's {self._block[0]}x{self._block[1]} blocks "
