@@ -17,6 +17,7 @@ import torch
 
 from megarl.algos import pick, shaping
 from megarl.algos.advantages import ADVANTAGE_ESTIMATORS, whiten
+from megarl.algos.distill import distill_advantages
 from megarl.algos.kl import kl
 
 
@@ -39,10 +40,14 @@ def advantage_step(*, rewards: torch.Tensor,  # [B] the reward function's scores
                    ref_logprobs: Optional[torch.Tensor],  # [B, T] (KL penalty)
                    estimator: str, gamma: float, lam: float, eps: float, whiten_advantages: bool,
                    lone_groups: str, kl_coeff: float, kl_estimator: str, kl_clamp: Optional[float],
-                   max_response_len: int, overlong_buffer: int, overlong_penalty: float
+                   max_response_len: int, overlong_buffer: int, overlong_penalty: float,
+                   teacher_logprobs: Optional[torch.Tensor] = None,  # [B, T] (distillation)
+                   distill_coeff: float = 0.0
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(advantages [B, T], returns [B, T]) of the whole rollout batch. Returns (the critic's
-    targets) are never whitened; only the advantages are."""
+    targets) are never whitened; only the advantages are. With `distill_coeff` the teacher's
+    per-token reverse-KL term is added to the (whitened) advantages (algos/distill.py); the
+    critic's returns stay the reward's."""
     scores = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # [B]
     if overlong_buffer:
         scores = scores + shaping.overlong_penalty(mask.sum(1), max_response_len, overlong_buffer,
@@ -56,4 +61,6 @@ def advantage_step(*, rewards: torch.Tensor,  # [B] the reward function's scores
         group_ids=group_ids, gamma=gamma, lam=lam, eps=eps, lone_groups=lone_groups)
     if whiten_advantages:
         advantages = whiten(advantages, mask, eps)
+    if distill_coeff:
+        advantages = distill_advantages(advantages, logprobs, teacher_logprobs, mask, distill_coeff)
     return advantages, returns

@@ -212,6 +212,27 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+@torch.no_grad()
+def top1_match(logits: torch.Tensor,  # [N, V/tp], any float dtype
+               targets: torch.Tensor,  # [N] global vocab ids, < vocab_size
+               group: Optional[dist.ProcessGroup],
+               vocab_size: Optional[int] = None) -> torch.Tensor:  # [N] bool
+    """Whether each target is the most likely token over the whole vocabulary (a tie counts), the
+    output layer's padding excluded, from vocab-parallel shards: one max and one sum all-reduce of
+    [N] each, nothing of [N, V] gathered."""
+    vocab_start, real = _shard(logits, group, vocab_size)
+    local = targets - vocab_start
+    here = (local >= 0) & (local < real)
+    top = logits[:, :real].amax(-1).float() if real else logits.new_full(targets.shape, float("-inf"),
+                                                                      dtype=torch.float32)
+    rows = torch.arange(len(targets), device=logits.device)
+    target = torch.where(here, logits[rows, local.clamp(0, max(real - 1, 0))].float(), 0.0)
+    if group is not None:
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(target, group=group)
+    return target >= top
+
+
 def working_bytes(tokens: int, vocab_shard: int, logits_bytes: int, backward: bool,
                   device: str = "cuda", chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
     """Pure: the most bytes logprobs_and_entropy allocates beyond the logits it is given [tokens,

@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+PER_TOKEN = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "teacher_logprobs", "teacher_top1", "values",
+             "advantages", "returns")
 ROUTING = ("rollout_routing", "old_routing")
 
 
@@ -27,6 +28,8 @@ class RolloutBatch:
     rollout_logprobs: Optional[torch.Tensor] = None  # [N, L] from the rollout engine
     old_logprobs: Optional[torch.Tensor] = None  # [N, L] the actor before this step's update
     ref_logprobs: Optional[torch.Tensor] = None  # [N, L] the reference policy
+    teacher_logprobs: Optional[torch.Tensor] = None  # [N, L] the distillation teacher (megarl/teacher)
+    teacher_top1: Optional[torch.Tensor] = None  # [N, L] float: 1 where token i is the teacher's most likely
     values: Optional[torch.Tensor] = None  # [N, L] the critic before this step's update
     advantages: Optional[torch.Tensor] = None  # [N, L]
     returns: Optional[torch.Tensor] = None  # [N, L] value targets

@@ -17,6 +17,7 @@ from megarl.parallel_state.dims import ParallelDims
 from megarl.platform import device_choice
 from megarl.rewards.functions import RewardTable
 from megarl.rollout.config import AsyncConfig, DataConfig, GenerationConfig, RolloutConfig
+from megarl.teacher.config import DistillConfig, TeacherConfig
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,8 @@ class AlgoConfig:
     # DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch with
     # up to this many extra generation rounds (0: off).
     dynamic_sampling_rounds: int = 0
+    # On-policy distillation's per-token reverse-KL term, from the teacher: section (algos/distill.py)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self):
         pick(ADVANTAGE_ESTIMATORS, self.advantage, "algo.advantage")
@@ -235,6 +238,7 @@ class RunConfig:
     async_: AsyncConfig = field(default_factory=AsyncConfig)  # YAML: async (a Python keyword)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out sets (megarl/evaluation)
     logger: LoggerConfig = field(default_factory=LoggerConfig)  # metrics' trackers
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation (algo.distill)
     # Hybrid-engine handoff: also move the training weights off the device while vLLM generates
     # (optimizer states and gradients always move).
     offload_params: bool = False
@@ -245,6 +249,11 @@ class RunConfig:
     def __post_init__(self):
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
+        if bool(self.algo.distill.coeff) != self.teacher.active:
+            raise ValueError(f"algo.distill.coeff={self.algo.distill.coeff} with teacher.hf_dir="
+                             f"{self.teacher.hf_dir!r} and teacher.url={self.teacher.url!r}: distillation "
+                             "needs both a coefficient > 0 and a teacher (a checkpoint or a served one); "
+                             "set both, or neither")
         if self.eval.max_new_tokens > self.generation.max_new_tokens:
             raise ValueError(f"eval.max_new_tokens={self.eval.max_new_tokens} exceeds generation."
                              f"max_new_tokens={self.generation.max_new_tokens}, which the engine's context "

@@ -24,6 +24,7 @@ from megarl.planning.config import RunConfig
 from megarl.rewards.functions import RewardTable
 from megarl.rollout.config import EngineSpec
 from megarl.rollout.vllm.lora import AdapterSpec
+from megarl.teacher.build import check_same_tokenizer, teacher_arch
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ResolvedRun:
     engine: EngineSpec  # what the rollout engines are made of
     eval: EvalConfig  # the held-out sets, with the token budget resolved
     reward_tables: Tuple[RewardTable, ...]  # training's, then each held-out set's (in eval.sets order)
+    teacher_arch: Optional[ModelArch] = None  # the colocated distillation teacher's (teacher.hf_dir)
 
     @property
     def reward_model_dirs(self) -> Tuple[str, ...]:
@@ -81,6 +83,10 @@ def resolve(config: RunConfig, hf_config: Optional[dict] = None) -> ResolvedRun:
                          "megarl does not do yet; use rollout.quantization 'none' with LoRA")
     training = config.algo.reward_table
     tables = (training, *(spec.reward_table(training) for spec in config.eval.sets.values()))
+    teacher = None
+    if config.teacher.hf_dir:
+        teacher = teacher_arch(config.teacher, arch)
+        check_same_tokenizer(config.teacher.hf_dir, config.model.hf_dir)
     return ResolvedRun(config=config, hf_config=hf_config, arch=arch, dims=config.layout.dims(),
                        adapters=adapters, engine=engine_spec(config, arch, adapters),
-                       eval=resolved_eval(config), reward_tables=tables)
+                       eval=resolved_eval(config), reward_tables=tables, teacher_arch=teacher)

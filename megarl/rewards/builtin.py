@@ -31,4 +31,10 @@ def exact_match(response: str, ground_truth: str) -> float:
     return float(response.strip() == ground_truth.strip())
 
 
-BUILTIN = {"math": math_reward, "exact_match": exact_match}
+def no_reward(response: str, ground_truth: str) -> float:
+    """`none`: every sample scores 0, for runs whose signal is elsewhere (pure on-policy
+    distillation, algo.distill)."""
+    return 0.0
+
+
+BUILTIN = {"math": math_reward, "exact_match": exact_match, "none": no_reward}

@@ -41,6 +41,7 @@ from megarl.resharding.hf_export import export_hf
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.prompts import PromptSampler
 from megarl.rollout_ranks.supervisor import supervise
+from megarl.teacher.build import build_teacher
 from megarl.trainer import checkpoint, console
 from megarl.trainer.disaggregated_rollouts import DisaggregatedStart
 from megarl.trainer.metrics import MetricsLog, PhaseTimer
@@ -57,7 +58,8 @@ def with_advantages(batch, algo: AlgoConfig, max_new_tokens: int):
         gamma=algo.gamma, lam=algo.lam, eps=algo.eps, whiten_advantages=algo.whitens,
         lone_groups=algo.lone_groups, kl_coeff=algo.kl_reward_coeff, kl_estimator=algo.kl_estimator,
         kl_clamp=algo.kl_clamp, max_response_len=max_new_tokens, overlong_buffer=algo.overlong_buffer,
-        overlong_penalty=algo.overlong_penalty)
+        overlong_penalty=algo.overlong_penalty, teacher_logprobs=batch.teacher_logprobs,
+        distill_coeff=algo.distill.coeff)
     return batch.with_fields(advantages=advantages, returns=returns)
 
 
@@ -77,6 +79,7 @@ class Run:
     source: RolloutSource
     sampler: PromptSampler  # the data position, saved in checkpoints
     device: str  # for MFU: the accelerator's name ("cpu" without one)
+    teacher: Optional[object] = None  # on-policy distillation's (megarl/teacher)
 
     @property
     def config(self) -> RunConfig:
@@ -150,7 +153,8 @@ def setup(resolved: ResolvedRun, resume: Optional[str],
 
     source = start.source(sampler, scorer_of(algo.reward_table), scorer_of, actor.state,
                           [critic.state] if critic is not None else [])
-    run = Run(resolved, actor, critic, source, sampler, flops.device_name())
+    teacher = build_teacher(resolved, **config.model.transformer_overrides())
+    run = Run(resolved, actor, critic, source, sampler, flops.device_name(), teacher)
     done = checkpoint.load(run, resume_from) if resume_from else 0
     source.push_weights(actor_chunks, arch, version=done)
     if rank0:
@@ -175,6 +179,9 @@ def step(run: Run, number: int) -> StepResult:
     if actor.reference is not None:
         with timer("ref_logprobs"):
             batch = actor.logprobs(batch, reference=True)
+    if run.teacher is not None:
+        with timer("teacher_logprobs"):
+            batch = run.teacher.logprobs(batch)
     if critic is not None:
         with timer("values"):
             batch = critic.values(batch)
@@ -284,4 +291,6 @@ def train(resolved: ResolvedRun, resume: Optional[str] = None) -> dict:
     if log.enabled and result is not None:
         _report(run, log, result.rollouts)
     run.source.shutdown()
+    if run.teacher is not None:
+        run.teacher.shutdown()
     return result.metrics if result is not None else {}

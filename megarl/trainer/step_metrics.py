@@ -9,6 +9,7 @@ import torch
 
 from megarl.actor.config import ActorConfig
 from megarl.algos import mismatch, rollout_correction, staleness
+from megarl.algos.distill import distill_metrics
 from megarl.algos.kl import kl
 from megarl.batch.rollout_batch import RolloutBatch
 from megarl.parallel_state import megatron_groups
@@ -47,6 +48,13 @@ def kl_to_reference(batch: RolloutBatch, algo: AlgoConfig) -> dict:
     return {"kl/actor_to_reference": float((per_token * batch.loss_mask).sum() / batch.loss_mask.sum())}
 
 
+def distillation(batch: RolloutBatch) -> dict:
+    if batch.teacher_logprobs is None:
+        return {}
+    return {name: float(value) for name, value in distill_metrics(
+        batch.old_logprobs, batch.teacher_logprobs, batch.teacher_top1, batch.loss_mask).items()}
+
+
 def reward_extras(extras: dict) -> dict:
     """Mean of each extra field a dict reward returned, over the samples that returned it."""
     return {f"reward/{name}_mean": float(values.nanmean()) for name, values in extras.items()
@@ -83,6 +91,7 @@ def step_metrics(collected: Collected, batch: RolloutBatch, algo: AlgoConfig, ac
         **agent_events(collected.events, batch.size),
         **rollout_mismatch(batch, actor, trainer_version), **rollout_staleness(batch, trainer_version),
         **kl_to_reference(batch, algo),
+        **distillation(batch),
         **{f"actor/{k}": v for k, v in actor_metrics.items()},
         **{f"critic/{k}": v for k, v in critic_metrics.items()},
         **{f"time/{k}": v for k, v in timer.seconds.items()},

@@ -1,0 +1,55 @@
+"""The teacher a resolved run names (teacher: section), built on every trainer rank, and the checks
+that refuse a teacher before anything is built: its checkpoint, its vocabulary and tokenizer.
+
+Owns choosing the kind and its architecture; the kinds own the rest."""
+
+import os
+from dataclasses import replace
+from typing import Optional
+
+from megarl.models.hf.config import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.teacher.config import TeacherConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def teacher_arch(teacher: TeacherConfig, student: ModelArch) -> ModelArch:
+    """The teacher checkpoint's architecture in the teacher's dtype, refused (naming both) when its
+    vocabulary is not the student's: the teacher scores the student's token ids as they are."""
+    if not os.path.isdir(teacher.hf_dir):
+        raise ValueError(f"teacher.hf_dir={teacher.hf_dir!r} is not a folder: give the teacher's HF "
+                         "checkpoint folder (config.json and safetensors)")
+    arch = arch_from_hf_config(load_hf_config(teacher.hf_dir))
+    if arch.vocab_size != student.vocab_size:
+        raise ValueError(f"the teacher's vocabulary ({teacher.hf_dir!r}: vocab_size {arch.vocab_size}) is "
+                         f"not the student's (vocab_size {student.vocab_size}): a teacher must share the "
+                         "student's tokenizer and vocabulary")
+    return replace(arch, dtype=teacher.dtype) if teacher.dtype != "auto" else arch
+
+
+def check_same_tokenizer(teacher_dir: str, student_dir: str) -> None:
+    """Refuse a teacher whose tokenizer maps any token differently from the student's (the same
+    vocab_size is not enough: the ids would mean other text). A teacher folder without tokenizer
+    files is taken to share the student's."""
+    if not any(os.path.isfile(os.path.join(teacher_dir, name)) for name in TOKENIZER_FILES):
+        return
+    import transformers
+
+    teacher = transformers.AutoTokenizer.from_pretrained(teacher_dir).get_vocab()
+    student = transformers.AutoTokenizer.from_pretrained(student_dir).get_vocab()
+    if teacher != student:
+        differ = sorted(set(teacher.items()) ^ set(student.items()))[:3]
+        raise ValueError(f"the teacher's tokenizer ({teacher_dir!r}, {len(teacher)} tokens) is not the "
+                         f"student's ({student_dir!r}, {len(student)} tokens); e.g. {differ} differ: "
+                         "distill from a teacher with the student's tokenizer")
+
+
+def build_teacher(resolved, **transformer_overrides) -> Optional[object]:
+    """The run's teacher on this trainer rank, or None without one. Collective."""
+    teacher = resolved.config.teacher
+    if not teacher.active:
+        return None
+    from megarl.teacher.colocated import ColocatedTeacher
+
+    return ColocatedTeacher(teacher.hf_dir, resolved.teacher_arch, resolved.dims,
+                            resolved.config.actor.batching, **transformer_overrides)
