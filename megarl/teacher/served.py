@@ -70,7 +70,8 @@ def _on_rank0(compute: Callable[[], T], failure: Callable[[Exception], Exception
             result = compute()
         except Exception as raised:  # noqa: BLE001 -- any failure must reach the other ranks too
             error = failure(raised)
-            error.__cause__ = raised
+            if error is not raised:
+                error.__cause__ = raised
     said = [None if error is None else (type(error), str(error))]
     if dist.is_initialized():
         dist.broadcast_object_list(said, src=0)

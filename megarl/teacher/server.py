@@ -6,6 +6,7 @@ threads), waiting for it, and stopping it and everything it started. Does not ow
 it (served.py).
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -84,15 +85,37 @@ class VllmServer:
                 time.sleep(0.5)
 
     def stop(self) -> None:
-        """SIGTERM the server's session, then SIGKILL whatever of it is left (the engine process
-        may outlive the server); waits for the server."""
+        """SIGTERM the server's session (vLLM's server then stops its engine), SIGKILL whatever of
+        it is left after 30 s; returns once none of its processes runs."""
+        import psutil
+
+        try:
+            server = psutil.Process(self.process.pid)
+            processes = [server, *server.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            processes = []
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:  # nothing of its session is left
-                break
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
                 pass
+            deadline = time.monotonic() + 30
+            while not all(_ended(p) for p in processes) and time.monotonic() < deadline:
+                self.process.poll()  # reaps the server, this process's child
+                time.sleep(0.1)
+            if all(_ended(p) for p in processes):
+                break
+            for process in processes:  # one that left the session too
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
         self.process.wait()
+
+
+def _ended(process) -> bool:
+    """Exited (a zombie has: its parent may never reap it, e.g. a container's PID 1)."""
+    import psutil
+
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
