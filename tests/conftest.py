@@ -137,6 +137,9 @@ TIERS = {
     "test_source_layout_live": DISTRIBUTED,
     "test_spec_keys": DISTRIBUTED,  # Megatron models at TP2 over gloo
     "test_streaming_rollout": E2E,  # partial rollouts on a real vLLM engine
+    # a vLLM server shared by the module, a two-rank worker, a run whose served teacher is killed
+    "test_teacher_served": (E2E, {"test_token_scores_read_vllm_prompt_logprobs": UNIT,
+                                  "test_a_url_that_does_not_answer_is_refused": UNIT}),
     # real TensorBoard, W&B (offline) and MLflow (SQLite) files, read back; ~10 s
     "test_trackers": UNIT,
     "test_trainer_checkpoint": UNIT,
