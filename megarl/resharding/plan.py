@@ -108,7 +108,8 @@ class Copy:
 
     @property
     def wire(self) -> str:
-        """The dtype of the message it travels in (packed with the others to its peer of it)."""
+        """The dtype of the message it travels in (packed copies: one message per peer, round
+        and wire)."""
         return FP8_WIRE if self.fp8 else self.dtype
 
     @property

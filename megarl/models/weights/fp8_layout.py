@@ -85,8 +85,8 @@ def quantized_layout(arch: ModelArch, rollout: RolloutLayout, layout: Dict[int, 
 
 
 # Sources the sender quantizes as they are: the engine's dtype (the trainer and the engine both
-# run in the model's: check_fp8_dtype). A wider source would round otherwise than the engine's
-# staging in its dtype does, so it keeps the receiver's path.
+# run in the model's: check_fp8_dtype). A wider (fp32) source quantized as it is would give other
+# codes than the engine's quantizing of its own rounded copy: it keeps the receiver's path.
 SENDER_DTYPES = ("torch.bfloat16", "torch.float16")
 
 
