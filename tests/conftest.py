@@ -61,8 +61,10 @@ TIERS = {
     "test_evaluate_script": UNIT,
     # scripts/gpu_check.sh end to end on the CPU (parity, bench and memory launches); the size check
     # real vLLM FP8 engines after real syncs (scripts/verify_sync.py); the layout check alone
-    "test_fp8_engine": (E2E, {"test_what_an_fp8_engine_cannot_hold_is_refused_by_name": UNIT,
-                              "test_plan_sync_counts_fp8_engine_bytes": UNIT}),
+    "test_fp8_engine": (E2E, {
+        "test_what_an_fp8_engine_cannot_hold_is_refused_by_name": UNIT,
+        "test_plan_sync_counts_fp8_engine_bytes": UNIT,
+        "test_the_plan_quantizes_on_the_sender_where_its_slabs_are_whole_blocks": UNIT}),
     "test_gpu_check": (DISTRIBUTED, {"test_the_gpu_plan_is_the_issue_s_check": UNIT,
                                      "test_problems_name_each_failed_check": UNIT,
                                      "test_the_dense_update_and_the_head_are_held_to_their_targets_on_a_gpu":
