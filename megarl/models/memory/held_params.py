@@ -50,11 +50,20 @@ def held_params(arch: ModelArch, dims: ParallelDims, role: str = "policy", lora:
     Remembered per arguments: a plan asks again for what preflight, a preset's plans and the
     planners' scripts asked already, and a giant layout's fake worlds (every group of a world of
     hundreds of ranks, per stage) cost seconds each."""
-    return dict(_held_params(arch, dims, role, lora, tuple(sorted(config_overrides.items()))))
+    key = (arch, dims, role, lora, tuple(sorted(config_overrides.items())))
+    try:
+        hash(key)
+    except TypeError:  # a LoRA config's per-module dicts: built again, as before
+        return _build_held_params(*key)
+    return dict(_remembered(*key))
 
 
 @functools.lru_cache(maxsize=64)
-def _held_params(arch: ModelArch, dims: ParallelDims, role: str, lora: Optional[LoraConfig],
+def _remembered(*key) -> Dict[int, HeldParams]:
+    return _build_held_params(*key)
+
+
+def _build_held_params(arch: ModelArch, dims: ParallelDims, role: str, lora: Optional[LoraConfig],
                  config_overrides: tuple) -> Dict[int, HeldParams]:
     held = {}
     for stage, rank in enumerate(stage_ranks(dims)):
