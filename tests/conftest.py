@@ -137,6 +137,10 @@ TIERS = {
     "test_source_layout_live": DISTRIBUTED,
     "test_spec_keys": DISTRIBUTED,  # Megatron models at TP2 over gloo
     "test_streaming_rollout": E2E,  # partial rollouts on a real vLLM engine
+    # one 2-rank launch: the actor and teachers at layouts of their own, against transformers
+    "test_teacher": (DISTRIBUTED, {name: UNIT for name in (
+        "test_a_teacher_layout_that_does_not_divide_the_world_is_refused_by_name",
+        "test_plan_memory_shows_the_teacher_phase_and_preflight_refuses_one_that_does_not_fit")}),
     # real TensorBoard, W&B (offline) and MLflow (SQLite) files, read back; ~10 s
     "test_trackers": UNIT,
     "test_trainer_checkpoint": UNIT,
