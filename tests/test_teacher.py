@@ -4,7 +4,8 @@ transformers on the same checkpoints, and its place in the memory plan and prefl
 One 2-rank launch (tests/workers/teacher_layout.py) holds the actor at TP1 x PP2 and, in the same
 world, teachers under Megatron groups of their own: the student's checkpoint at TP2 (offloaded
 between uses, scored twice), a teacher of another family (llama for the qwen3 student, the same
-vocabulary) over both ranks as data parallel, and the student's checkpoint at the actor's layout.
+vocabulary) over both ranks as data parallel, a Qwen3-MoE teacher with its experts over both ranks
+(EP2), and the student's checkpoint at the actor's layout.
 The batch's responses are half the qwen3 model's greedy tokens, so the top-1 flags are not all 0.
 """
 
@@ -23,7 +24,7 @@ from tests.published_configs import QWEN3_32B
 from tests.test_presets import check_preset, load_preset
 from tests.workers.synthetic_batch import synthetic_batch
 
-TEACHERS = {"tp2": "qwen3", "other": "llama"}  # the worker's teachers and their checkpoints
+TEACHERS = {"tp2": "qwen3", "other": "llama", "moe_ep2": "qwen3_moe"}  # the worker's, and their checkpoints
 MAX_LEN = 48  # the worker's synthetic_batch(vocab, max_len=48)
 QWEN = "qwen3_30b_a3b_gpu.yaml"  # a GPU preset at 32 GPUs of 80 GB (tests/test_presets.py)
 
@@ -64,7 +65,8 @@ def scored(hf_models, tmp_path_factory):
     batch = synthetic_batch(250, max_len=MAX_LEN)
     torch.save(half_greedy(hf_models["qwen3"], batch), folder / "tokens.pt")
     run("tests/workers/teacher_layout.py", "--student", hf_models["qwen3"], "--other", hf_models["llama"],
-        "--tokens", str(folder / "tokens.pt"), "--out", str(folder / "out.pt"), nproc=2, timeout=900)
+        "--moe", hf_models["qwen3_moe"], "--tokens", str(folder / "tokens.pt"),
+        "--out", str(folder / "out.pt"), nproc=2, timeout=900)
     out = torch.load(folder / "out.pt")
     out["reference"] = {name: transformers_reference(hf_models[model], out["tokens"], out["lengths"])
                         for name, model in TEACHERS.items()}
@@ -74,6 +76,7 @@ def scored(hf_models, tmp_path_factory):
 @pytest.mark.parametrize("teacher", sorted(TEACHERS))
 def test_teacher_logprobs_at_its_own_layout_equal_transformers(scored, teacher):
     assert scored["actor_axes"] == (1, 2, 1) and scored["tp2_axes"] == (2, 1, 1)  # (tp, pp, dp)
+    assert scored["moe_ep2_axes"] == (2, 2)  # (ep, dp)
     mask = scored["loss_mask"].bool()
     expected, _ = scored["reference"][teacher]
     got, _ = scored[teacher]

@@ -24,6 +24,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--student", required=True)
     parser.add_argument("--other", required=True, help="a teacher of another family, the same vocabulary")
+    parser.add_argument("--moe", required=True, help="a MoE teacher, the same vocabulary (run at EP2)")
     parser.add_argument("--tokens", required=True, help="the batch's tokens [N, L] (torch.save), for "
                         "synthetic_batch(vocab, max_len=48)'s lengths and mask")
     parser.add_argument("--out", required=True)
@@ -65,6 +66,14 @@ def main():
     scored = other.logprobs(batch)
     out["other"] = (scored.teacher_logprobs, scored.teacher_top1)
     out["other_device_bytes"] = other.device_bytes
+
+    # A MoE teacher with its experts split over both ranks (EP2, data parallel 2).
+    moe_arch = arch_from_hf_config(load_hf_config(args.moe))
+    moe = ColocatedTeacher(args.moe, moe_arch, ParallelDims(world_size=2, ep=2), batching)
+    scored = moe.logprobs(batch)
+    out["moe_ep2"] = (scored.teacher_logprobs, scored.teacher_top1)
+    with megatron_groups.using(moe.layout):
+        out["moe_ep2_axes"] = (megatron_groups.expert().size, megatron_groups.data().size)
 
     # Teacher = student: its checkpoint at the actor's layout.
     same = ColocatedTeacher(args.student, arch, actor_dims, batching, offload_params=True)
