@@ -9,6 +9,7 @@ vocabulary) over both ranks as data parallel, a Qwen3-MoE teacher with its exper
 The batch's responses are half the qwen3 model's greedy tokens, so the top-1 flags are not all 0.
 """
 
+import contextlib
 import json
 
 import pytest
@@ -27,6 +28,18 @@ from tests.workers.synthetic_batch import synthetic_batch
 TEACHERS = {"tp2": "qwen3", "other": "llama", "moe_ep2": "qwen3_moe"}  # the worker's, and their checkpoints
 MAX_LEN = 48  # the worker's synthetic_batch(vocab, max_len=48)
 QWEN = "qwen3_30b_a3b_gpu.yaml"  # a GPU preset at 32 GPUs of 80 GB (tests/test_presets.py)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """transformers' tiny forwards in this process, one thread: with two, OpenMP's waiting under the
+    suite's load cost 50x their work (half_greedy: 13.8 s of CPU, 0.24 s with one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def transformers_reference(hf_dir: str, tokens: torch.Tensor, lengths: torch.Tensor):
@@ -52,10 +65,12 @@ def half_greedy(hf_dir: str, batch) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     tokens, coin = batch.tokens.clone(), torch.Generator().manual_seed(3)
     with torch.no_grad():
+        step = model(tokens[:, :1], use_cache=True)  # one token a step, the earlier ones' K and V kept
         for column in range(1, MAX_LEN):
-            greedy = model(tokens[:, :column]).logits[:, -1].argmax(-1)
+            greedy = step.logits[:, -1].argmax(-1)
             take = batch.loss_mask[:, column].bool() & (torch.rand(len(tokens), generator=coin) < 0.5)
             tokens[:, column] = torch.where(take, greedy, tokens[:, column])
+            step = model(tokens[:, column:column + 1], past_key_values=step.past_key_values, use_cache=True)
     return tokens
 
 
@@ -63,13 +78,15 @@ def half_greedy(hf_dir: str, batch) -> torch.Tensor:
 def scored(hf_models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("teacher_layout")
     batch = synthetic_batch(250, max_len=MAX_LEN)
-    torch.save(half_greedy(hf_models["qwen3"], batch), folder / "tokens.pt")
+    with one_thread():
+        torch.save(half_greedy(hf_models["qwen3"], batch), folder / "tokens.pt")
     run("tests/workers/teacher_layout.py", "--student", hf_models["qwen3"], "--other", hf_models["llama"],
         "--moe", hf_models["qwen3_moe"], "--tokens", str(folder / "tokens.pt"),
         "--out", str(folder / "out.pt"), nproc=2, timeout=900)
     out = torch.load(folder / "out.pt")
-    out["reference"] = {name: transformers_reference(hf_models[model], out["tokens"], out["lengths"])
-                        for name, model in TEACHERS.items()}
+    with one_thread():
+        out["reference"] = {name: transformers_reference(hf_models[model], out["tokens"], out["lengths"])
+                            for name, model in TEACHERS.items()}
     return out
 
 
