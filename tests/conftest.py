@@ -141,6 +141,9 @@ TIERS = {
     "test_teacher": (DISTRIBUTED, {name: UNIT for name in (
         "test_a_teacher_layout_that_does_not_divide_the_world_is_refused_by_name",
         "test_plan_memory_shows_the_teacher_phase_and_preflight_refuses_one_that_does_not_fit")}),
+    # a vLLM server shared by the module, a two-rank worker, a run whose served teacher is killed
+    "test_teacher_served": (E2E, {"test_token_scores_read_vllm_prompt_logprobs": UNIT,
+                                  "test_a_url_that_does_not_answer_is_refused": UNIT}),
     # real TensorBoard, W&B (offline) and MLflow (SQLite) files, read back; ~10 s
     "test_trackers": UNIT,
     "test_trainer_checkpoint": UNIT,

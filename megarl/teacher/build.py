@@ -58,11 +58,22 @@ def check_same_tokenizer(teacher_dir: str, student_dir: str) -> None:
 
 def build_teacher(resolved, **transformer_overrides) -> Optional[object]:
     """The run's teacher on this trainer rank, or None without one. Collective."""
-    teacher = resolved.config.teacher
+    config = resolved.config
+    teacher = config.teacher
     if not teacher.active:
         return None
+    if teacher.served:
+        from megarl.teacher.served import ServedTeacher
+
+        # the longest sequence a run scores, as its rollout engine's context (rollout/builder.py)
+        args = (resolved.arch.vocab_size, config.data.max_prompt_len + config.generation.max_new_tokens,
+                teacher.timeout_s)
+        if teacher.url:
+            return ServedTeacher(teacher.url, *args)
+        return ServedTeacher.serve(teacher.hf_dir, resolved.teacher_arch.dtype, *args,
+                                   log_path=os.path.join(config.run_dir, "teacher_server.log"))
     from megarl.teacher.colocated import ColocatedTeacher
 
     return ColocatedTeacher(teacher.hf_dir, resolved.teacher_arch, resolved.teacher_dims,
-                            resolved.config.actor.batching, teacher.offload,
-                            resolved.config.collective_timeout_s, **transformer_overrides)
+                            config.actor.batching, teacher.offload, config.collective_timeout_s,
+                            **transformer_overrides)
