@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from megarl.algos.distill import distill_advantages, distill_metrics
-from megarl.planning import memory_plan
+from megarl.models.hf.config import arch_from_hf_config
+from megarl.planning import flops, memory_plan
 from megarl.planning.resolved import resolve
 from megarl.teacher.build import teacher_dims
 from megarl.teacher.config import TeacherConfig
 from tests.launch import run
-from tests.published_configs import QWEN3_32B
+from tests.published_configs import QWEN3_30B_A3B, QWEN3_32B
 from tests.test_presets import check_preset, load_preset
 from tests.workers.synthetic_batch import synthetic_batch
 
@@ -141,6 +142,19 @@ def test_a_teacher_layout_that_does_not_divide_the_world_is_refused_by_name():
     with pytest.raises(ValueError, match=r"teacher.tp=3, teacher.pp=1, teacher.ep=1 in the trainer's world "
                                          r"of 32 ranks: tp\(3\) \* pp\(1\)"):
         teacher_dims(TeacherConfig(hf_dir="unused", tp=3), 32)
+
+
+def test_flops_count_the_teachers_forward_with_its_own_architecture():
+    """A step's teacher_logprobs phase costs what old_logprobs would cost a run of the teacher's
+    model: Qwen3-32B (dense, 32.8B) teaching Qwen3-30B-A3B (3.3B active) costs ~10x the student's
+    forward over the same tokens."""
+    student, teacher = arch_from_hf_config(QWEN3_30B_A3B), arch_from_hf_config(QWEN3_32B)
+    lengths = [300, 1200, 4096]
+    run = dict(reference=False, critic=False, actor_epochs=1, critic_epochs=1)
+    got = flops.step_flops(student, flops.rl_phases(lengths, lengths, **run, teacher=teacher))
+    as_its_own_run = flops.step_flops(teacher, flops.rl_phases(lengths, lengths, **run))
+    assert got["teacher_logprobs"] == as_its_own_run["old_logprobs"]
+    assert 5 < got["teacher_logprobs"] / got["old_logprobs"] < 15
 
 
 def _teacher_folder(tmp_path, hf_config: dict) -> str:
