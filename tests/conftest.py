@@ -139,6 +139,11 @@ TIERS = {
     "test_source_layout_live": DISTRIBUTED,
     "test_spec_keys": DISTRIBUTED,  # Megatron models at TP2 over gloo
     "test_streaming_rollout": E2E,  # partial rollouts on a real vLLM engine
+    # one 2-rank launch: the actor and teachers at layouts of their own, against transformers
+    "test_teacher": (DISTRIBUTED, {name: UNIT for name in (
+        "test_a_teacher_layout_that_does_not_divide_the_world_is_refused_by_name",
+        "test_flops_count_the_teachers_forward_with_its_own_architecture",
+        "test_plan_memory_shows_the_teacher_phase_and_preflight_refuses_one_that_does_not_fit")}),
     # a vLLM server shared by the module, a two-rank worker, a run whose served teacher is killed
     "test_teacher_served": (E2E, {"test_token_scores_read_vllm_prompt_logprobs": UNIT,
                                   "test_a_url_that_does_not_answer_is_refused": UNIT}),

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Optional
 
 from megarl.models.hf.config import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.parallel_state.dims import ParallelDims
 from megarl.teacher.config import TeacherConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -25,6 +26,17 @@ def teacher_arch(teacher: TeacherConfig, student: ModelArch) -> ModelArch:
                          f"not the student's (vocab_size {student.vocab_size}): a teacher must share the "
                          "student's tokenizer and vocabulary")
     return replace(arch, dtype=teacher.dtype) if teacher.dtype != "auto" else arch
+
+
+def teacher_dims(teacher: TeacherConfig, world_size: int) -> ParallelDims:
+    """The colocated teacher's layout in the trainer's world of `world_size` ranks: its tp, pp and
+    ep, cp 1, the rest its data parallel; refused naming teacher.* where it does not divide."""
+    try:
+        return ParallelDims(world_size=world_size, tp=teacher.tp, pp=teacher.pp, ep=teacher.ep)
+    except ValueError as error:
+        raise ValueError(f"teacher.tp={teacher.tp}, teacher.pp={teacher.pp}, teacher.ep={teacher.ep} in "
+                         f"the trainer's world of {world_size} ranks: {error}; choose teacher sizes whose "
+                         f"product divides {world_size}") from None
 
 
 def check_same_tokenizer(teacher_dir: str, student_dir: str) -> None:
@@ -62,5 +74,6 @@ def build_teacher(resolved, **transformer_overrides) -> Optional[object]:
                                    log_path=os.path.join(config.run_dir, "teacher_server.log"))
     from megarl.teacher.colocated import ColocatedTeacher
 
-    return ColocatedTeacher(teacher.hf_dir, resolved.teacher_arch, resolved.dims,
-                            config.actor.batching, **transformer_overrides)
+    return ColocatedTeacher(teacher.hf_dir, resolved.teacher_arch, resolved.teacher_dims,
+                            config.actor.batching, teacher.offload, config.collective_timeout_s,
+                            **transformer_overrides)
