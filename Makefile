@@ -96,11 +96,11 @@ demo: install
 		eval.sets.heldout.path=runs/demo_inputs/heldout.jsonl eval.every=20
 
 # On-policy distillation, no reward (configs/demo_distill_cpu.yaml; docs/distillation.md): the
-# demo's model (the student) learns from the same warm start carried on to 300 steps (the
+# demo's model (the student) learns from the same warm start carried on to 200 steps (the
 # teacher), colocated on one Ray worker; held-out accuracy before the first step and every 5.
 demo-distill: install
 	rm -rf runs/demo_distill runs/demo_inputs
-	$(BIN)/python scripts/prepare_demo.py --out runs/demo_inputs --teacher-steps 300
+	$(BIN)/python scripts/prepare_demo.py --out runs/demo_inputs --teacher-steps 200
 	$(BIN)/python scripts/train_ppo_moe.py --config configs/demo_distill_cpu.yaml
 
 # Conversion and weight-sync checks on a tiny random Qwen3-MoE (also covered by make test): make

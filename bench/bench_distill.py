@@ -4,10 +4,11 @@ training steps each takes to reach the same held-out accuracy.
   python bench/bench_distill.py [--inputs DIR] [--runs DIR] [--seeds 0,1,2] [--steps 40] [--every 2]
                                 [--rises 0.15,0.25,0.35]
 
-Inputs: scripts/prepare_demo.py --teacher-steps 300 --hf-only (made in a temporary folder unless
---inputs names a folder it made). Per run seed, two runs of configs/demo_distill_cpu.yaml at world
-size 1 (without torchrun), side by side (the two CPU cores each take one; steps are counted, not
-seconds), the held-out additions evaluated greedily every --every steps:
+Inputs: scripts/prepare_demo.py --teacher-steps 200 --hf-only (made in a temporary folder unless
+--inputs names a folder it made: the run in docs/distillation.md had a 300-step teacher). Per run
+seed, two runs of configs/demo_distill_cpu.yaml at world size 1 (without torchrun), side by side
+(the two CPU cores each take one; steps are counted, not seconds), the held-out additions
+evaluated greedily every --every steps:
   distill  the config as it is: algo.reward none, the teacher's per-token reverse-KL term
   reward   algo.reward math and no teacher (teacher.hf_dir '' and algo.distill.coeff 0): GRPO's
            group-relative advantages of the right answers, as the reward-only demo trains
@@ -87,7 +88,7 @@ def main():
     if not inputs:
         inputs = os.path.join(work, "inputs")
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prepare_demo.py"), "--out", inputs,
-                        "--teacher-steps", "300", "--hf-only"], check=True, cwd=ROOT, stdout=sys.stderr)
+                        "--teacher-steps", "200", "--hf-only"], check=True, cwd=ROOT, stdout=sys.stderr)
     reached = {(mode, rise): [] for mode in MODES for rise in rises}
     for seed in (int(s) for s in args.seeds.split(",")):
         dirs = {mode: os.path.join(work, f"{mode}_{seed}") for mode in MODES}

@@ -36,7 +36,7 @@ def main():
     parser.add_argument("--task", default="addition", choices=TASKS)
     parser.add_argument("--sft-steps", type=int, default=None,
                         help="warm-start steps (0: random model; default 150)")
-    # 300: held-out accuracy 0.85 where the demo's 150 steps give 0.15 (seed 0; docs/distillation.md)
+    # 200: held-out accuracy 0.625 where the demo's 150 steps give 0.15 (seed 0; docs/distillation.md)
     parser.add_argument("--teacher-steps", type=int, default=0,
                         help="also write OUT/teacher, the warm start carried on to this many steps (the "
                              "distillation demo's teacher; 0: none)")

@@ -279,5 +279,5 @@ def demo_inputs(tmp_path_factory):
     its bar on these), and the distillation demo's teacher (teacher/), as make demo-distill makes
     it: the same warm start carried on (model/ is unchanged by it)."""
     root = tmp_path_factory.mktemp("demo_inputs")
-    run("scripts/prepare_demo.py", "--out", str(root), "--teacher-steps", "300")
+    run("scripts/prepare_demo.py", "--out", str(root), "--teacher-steps", "200")
     return root
