@@ -5,7 +5,7 @@ training steps each takes to reach the same held-out accuracy.
                                 [--rises 0.15,0.25,0.35]
 
 Inputs: scripts/prepare_demo.py --teacher-steps 200 --hf-only (made in a temporary folder unless
---inputs names a folder it made: the run in docs/distillation.md had a 300-step teacher). Per run
+--inputs names a folder it made). Per run
 seed, two runs of configs/demo_distill_cpu.yaml at world size 1 (without torchrun), side by side
 (the two CPU cores each take one; steps are counted, not seconds), the held-out additions
 evaluated greedily every --every steps:
