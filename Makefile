@@ -29,7 +29,7 @@ AFTER_cuda = nv=$$($(BIN)/python -c 'import nvidia; print(list(nvidia.__path__)[
 	LIBRARY_PATH=$$nv/cudnn/lib:$$nv/cu13/lib:$$nv/nccl/lib$${LIBRARY_PATH:+:$$LIBRARY_PATH} \
 	$(BIN)/pip install --quiet --no-build-isolation -c $(LOCK) 'transformer_engine[pytorch]'
 
-.PHONY: demo-conversion install test test-quick lint demo bench lock lock-cuda check-cuda-lock clean \
+.PHONY: demo-conversion demo-distill install test test-quick lint demo bench lock lock-cuda check-cuda-lock clean \
 	gpu-wheels sandbox
 
 install: $(STAMP) sandbox
@@ -94,6 +94,14 @@ demo: install
 	$(BIN)/python scripts/prepare_demo.py --out runs/demo_inputs
 	$(BIN)/python scripts/train_ppo_moe.py --config configs/demo_cpu.yaml \
 		eval.sets.heldout.path=runs/demo_inputs/heldout.jsonl eval.every=20
+
+# On-policy distillation, no reward (configs/demo_distill_cpu.yaml; docs/distillation.md): the
+# demo's model (the student) learns from the same warm start carried on to 200 steps (the
+# teacher), colocated on one Ray worker; held-out accuracy before the first step and every 5.
+demo-distill: install
+	rm -rf runs/demo_distill runs/demo_inputs
+	$(BIN)/python scripts/prepare_demo.py --out runs/demo_inputs --teacher-steps 200
+	$(BIN)/python scripts/train_ppo_moe.py --config configs/demo_distill_cpu.yaml
 
 # Conversion and weight-sync checks on a tiny random Qwen3-MoE (also covered by make test): make
 # it, convert it with 2 ranks, check it against HF transformers at TP2 x EP2 (log-probs, loss,

@@ -286,7 +286,8 @@ def megatron_models(hf_models, tmp_path_factory):
 def demo_inputs(tmp_path_factory):
     """The demo task's prompts (train.jsonl), held-out additions (heldout.jsonl), model (model/) and
     its Megatron conversion (megatron/), as make demo makes them (test_demo_reward_rises measured
-    its bar on these)."""
+    its bar on these), and the distillation demo's teacher (teacher/), as make demo-distill makes
+    it: the same warm start carried on (model/ is unchanged by it)."""
     root = tmp_path_factory.mktemp("demo_inputs")
-    run("scripts/prepare_demo.py", "--out", str(root))
+    run("scripts/prepare_demo.py", "--out", str(root), "--teacher-steps", "200")
     return root
