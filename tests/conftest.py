@@ -24,6 +24,7 @@ TIERS = {
         "test_tool_demo_traces_call_insert_and_answer", "test_records_choose_tools_as_verl_lays_them_out")}),
     "test_algos_advantage_step": UNIT,
     "test_algos_advantages": UNIT,
+    "test_algos_distill": UNIT,
     "test_algos_losses": UNIT,
     "test_algos_rollout_correction": UNIT,
     "test_algos_shaping": UNIT,
