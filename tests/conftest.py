@@ -139,6 +139,7 @@ TIERS = {
     "test_spec_keys": DISTRIBUTED,  # Megatron models at TP2 over gloo
     "test_streaming_rollout": E2E,  # partial rollouts on a real vLLM engine
     # real TensorBoard, W&B (offline) and MLflow (SQLite) files, read back; ~10 s
+    "test_teacher_config": UNIT,
     "test_trackers": UNIT,
     "test_trainer_checkpoint": UNIT,
     "test_trainer_flops": UNIT,

@@ -85,7 +85,7 @@ def resolve(config: RunConfig, hf_config: Optional[dict] = None) -> ResolvedRun:
     tables = (training, *(spec.reward_table(training) for spec in config.eval.sets.values()))
     teacher = None
     if config.teacher.hf_dir:
-        teacher = teacher_arch(config.teacher, arch)
+        teacher = teacher_arch(config.teacher, arch, config.model.hf_dir)
         check_same_tokenizer(config.teacher.hf_dir, config.model.hf_dir)
     return ResolvedRun(config=config, hf_config=hf_config, arch=arch, dims=config.layout.dims(),
                        adapters=adapters, engine=engine_spec(config, arch, adapters),
