@@ -18,7 +18,9 @@ import signal
 import time
 
 import pytest
+import torch
 
+from tests.distillation import WORKER, check_distilled, perturbed_teacher, teacher_args
 from tests.launch import ROOT, finish, one_rank_env, run, start
 from tests.learning import assert_learned
 
@@ -96,15 +98,21 @@ def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tm
     and draws the next, step_draws.py; the trainer keeps the informative groups as the colocated
     loop does), and the held-out evaluations: the rollout ranks', between weight pushes, give the
     numbers the colocated ones give (the same weights and seeds), at the start (step 0's row,
-    which comes once the rollout leader has scored it) and after the last step."""
+    which comes once the rollout leader has scored it) and after the last step. Both runs also
+    distill from a teacher (the model with its weights perturbed, on the trainer ranks only):
+    each trained batch, the final one after the rounds, is the same in both, its advantages GAE's
+    plus the distillation term (tests/distillation.py)."""
     colocated, disaggregated = tmp_path / "colocated", tmp_path / "disaggregated"
     one_rank = {**one_rank_env(), "OMP_NUM_THREADS": "1"}  # as torchrun sets it
     # The two runs at once: most of a 2-step run is start-up, and either one alone leaves a core idle.
     held_out = _held_out(tail_inputs, 8)
-    finish(start(SCRIPT, *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *DYNAMIC, *held_out),
+    teacher = teacher_args(perturbed_teacher(tail_inputs / "model", tmp_path / "teacher"), 0.5)
+    finish(start(WORKER, "--batches", str(colocated / "batches"),
+                 *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *DYNAMIC, *held_out, *teacher),
                  timeout=900, env=one_rank),
-           start(SCRIPT, *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=2",
-                                "async.max_staleness=0", *DYNAMIC, *held_out), nproc=3, timeout=900))
+           start(WORKER, "--batches", str(disaggregated / "batches"),
+                 *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=2",
+                        "async.max_staleness=0", *DYNAMIC, *held_out, *teacher), nproc=3, timeout=900))
     sync, async_ = (sorted(_steps(d), key=lambda row: row["step"]) for d in (colocated, disaggregated))
     assert [s["step"] for s in sync] == [a["step"] for a in async_] == [0, 1, 2]
     for s, a in zip(sync, async_):
@@ -112,7 +120,14 @@ def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tm
     for row in (async_[0], async_[2]):
         assert 0 <= row["eval/heldout/all/accuracy"] <= 1 and row["async/eval_restarts"] == 0
         assert 1 <= row["eval/heldout/all/response_len_mean"] <= 8
+    trained = [check_distilled(d, d / "batches", rows)
+               for d, rows in ((colocated, sync), (disaggregated, async_))]
+    for number, batch in trained[1].items():
+        assert batch.size == 8 * 4 and torch.equal(batch.advantages, trained[0][number].advantages)
+        assert torch.equal(batch.teacher_logprobs, trained[0][number].teacher_logprobs)
     sync, async_ = sync[1:], async_[1:]  # the steps'
+    # another model: the teacher disagrees with the student from the first step
+    assert all(a["distill/reverse_kl"] > 0.01 for a in async_), async_
     # the rounds ran (the 1-step model's rewards leave most groups uninformative), on both sides alike
     assert max(a["dynamic_sampling/rounds"] for a in async_) >= 2
     for a in async_:
@@ -238,14 +253,21 @@ def test_a_lora_actor_pushes_its_adapters_alone_to_the_rollout_rank(tail_inputs,
     into its weights from the base it kept (rollout/vllm/merge.py). In both, after the first push
     (the base, once) the trainer sends the adapters alone over the bridge, as many bytes as the
     run's final PEFT folder holds; every step's tokens get back the engine's log-probs from the
-    trainer (< 1e-4), so the engine generates with what the actor trains."""
+    trainer (< 1e-4), so the engine generates with what the actor trains.
+    Both LoRA students distill (tests/distillation.py): the Qwen2 one from its base with the weights
+    perturbed, a teacher of its own and not the adapters' base (apart from step 1); the MoE one from
+    its own base checkpoint, which its adapters start at (B = 0: the teacher's log-probs at step 1)
+    and leave."""
     from safetensors.torch import load_file
 
-    runs = {"slots": (tail_inputs, tmp_path / "slots", ()),
-            "merged": (demo_inputs, tmp_path / "merged", ("generation.max_new_tokens=3",))}
-    finish(*(start(SCRIPT, *_args(inputs, run_dir, "steps=3", "layout.rollout_world_size=1",
-                                  "async.max_staleness=0", "actor.lora.rank=4", "actor.optim.lr=1e-3",
-                                  *FAST_TRAINER, *extra), nproc=2, timeout=900)
+    teacher = perturbed_teacher(tail_inputs / "model", tmp_path / "teacher")
+    runs = {"slots": (tail_inputs, tmp_path / "slots", teacher_args(teacher, 0.2)),
+            "merged": (demo_inputs, tmp_path / "merged",
+                       ("generation.max_new_tokens=3", *teacher_args(demo_inputs / "model", 0.2)))}
+    finish(*(start(WORKER, "--batches", str(run_dir / "batches"),
+                   *_args(inputs, run_dir, "steps=3", "layout.rollout_world_size=1", "async.max_staleness=0",
+                          "actor.lora.rank=4", "actor.optim.lr=1e-3", *FAST_TRAINER, *extra),
+                   nproc=2, timeout=900)
              for inputs, run_dir, extra in runs.values()))
     for name, (_, run_dir, _) in runs.items():
         steps = _steps(run_dir)
@@ -254,6 +276,10 @@ def test_a_lora_actor_pushes_its_adapters_alone_to_the_rollout_rank(tail_inputs,
         assert [s["sync/bytes_sent"] for s in steps[1:]] == [adapter_bytes] * 2, (name, steps)
         assert steps[0]["sync/bytes_sent"] > 20 * adapter_bytes, (name, steps)  # the base, once
         assert all(s["async/mismatch_lag0_max"] < 1e-4 for s in steps), (name, steps)
+        check_distilled(run_dir, run_dir / "batches", steps)
+    reverse_kl = {name: [s["distill/reverse_kl"] for s in _steps(runs[name][1])] for name in runs}
+    assert min(reverse_kl["slots"]) > 0.01, reverse_kl
+    assert abs(reverse_kl["merged"][0]) < 1e-6 < min(abs(v) for v in reverse_kl["merged"][1:]), reverse_kl
 
 
 def test_restarted_partial_rollouts_stay_within_staleness_two(staleness_runs):
