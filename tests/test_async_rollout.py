@@ -156,9 +156,9 @@ def _check_bounds(steps, staleness: int) -> None:
 FAST_TRAINER = ("algo.advantage=grpo", "algo.kl_reward_coeff=0")
 
 
-def _torchrun(inputs, run_dir, *extra):
+def _torchrun(inputs, run_dir, *extra, script=(SCRIPT,)):
     """The run begun on 2 ranks (tests/launch.start); its CompletedProcess, whatever its exit code."""
-    return start(SCRIPT, *_args(inputs, run_dir, "layout.rollout_world_size=1", *FAST_TRAINER, *extra),
+    return start(*script, *_args(inputs, run_dir, "layout.rollout_world_size=1", *FAST_TRAINER, *extra),
                  nproc=2, timeout=900, check=False, env={"PYTHONPATH": ROOT})  # the reward above, in its pool
 
 
@@ -167,14 +167,17 @@ def staleness_runs(tail_models, tmp_path_factory):
     """Two runs started together (most of a run is start-up; one alone leaves a core idle):
     staleness 1 with partial rollouts continued, on the MoE model with the engine's routing
     returned (the trainer's routers route on their own, to be compared with it), whose engine is
-    killed with kill -9 once step 2 is logged; staleness 2 with partial rollouts restarted,
-    evaluating HELD_OUT prompts scored by slow_exact_match after steps 3 and 6. {name: (run dir,
-    output, return code)} and the killed engine's pid."""
+    killed with kill -9 once step 2 is logged, distilling from its own starting model on the
+    trainer (its trained batches saved: tests/workers/trained_batches.py); staleness 2 with partial
+    rollouts restarted, evaluating HELD_OUT prompts scored by slow_exact_match after steps 3 and 6.
+    {name: (run dir, output, return code)} and the killed engine's pid."""
     root = tmp_path_factory.mktemp("staleness_runs")
     killed, restarted = root / "killed", root / "restarted"
     tail_inputs = tail_models["qwen2"]
-    first = _torchrun(tail_models["qwen3_moe"], killed, "steps=6", "async.max_staleness=1",
-                      "generation.return_routing=true", "actor.router_replay=off")
+    moe = tail_models["qwen3_moe"]
+    first = _torchrun(moe, killed, "steps=6", "async.max_staleness=1", "generation.return_routing=true",
+                      "actor.router_replay=off", *teacher_args(moe / "model", 0.3),
+                      script=(WORKER, "--batches", str(killed / "batches")))
     second = _torchrun(tail_inputs, restarted, "steps=6", "async.max_staleness=2",
                        "async.partial_rollout=restart", "eval.at_start=false", "eval.every=3",
                        *_held_out(tail_inputs, 4, f"eval.sets.heldout.reward={SLOW_REWARD}"))
@@ -194,7 +197,10 @@ def staleness_runs(tail_models, tmp_path_factory):
 def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(staleness_runs):
     """kill -9 of the engine process once step 2 is logged: its supervisor starts a new one, the
     trainer pushes it the current weights, the lost steps are generated again, and the run ends
-    normally with the replacement counted (staleness 1, partial rollouts continued)."""
+    normally with the replacement counted (staleness 1, partial rollouts continued). It distills
+    too: on the trainer, from the step's samples, whatever versions sampled them, every step's
+    advantages are the reward's plus the term (tests/distillation.py), before and after the
+    replacement."""
     runs, engine = staleness_runs
     run_dir, output, code = runs["killed"]
     assert code == 0, output[-4000:]
@@ -206,6 +212,9 @@ def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(staleness_runs
     # The replacement got the current weights: after it, tokens of the trainer's own version
     # still get their log-probs back exactly (checked in _check_bounds) and some exist.
     assert any("async/mismatch_lag0_max" in s for s in steps[2:])
+    check_distilled(run_dir, run_dir / "batches", steps)
+    # the teacher is the student's start: the same log-probs at step 1, apart once it trained
+    assert abs(steps[0]["distill/reverse_kl"]) < 1e-6 < abs(steps[-1]["distill/reverse_kl"]), steps
 
 
 def test_streamed_routing_is_the_trainers_own_at_lag_zero(staleness_runs):
