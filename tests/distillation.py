@@ -84,3 +84,13 @@ def check_distilled(run_dir, batches_dir, steps: List[dict], holes: bool = False
         assert all(math.isfinite(row[k]) for k in row if k.startswith("distill/"))
         assert 0 <= row["distill/teacher_top1_match"] <= 1 and row["distill/teacher_logprob"] < 0
     return batches
+
+
+def assert_teacher_is_the_start(steps: List[dict]) -> None:
+    """A run whose teacher is its own starting checkpoint: the same log-probs (0.0 exactly in every
+    run so far) at every step before the actor's first update with a gradient (the advantages, and
+    so the gradient, are 0 while no group's rewards differ and the term is 0), and apart after one."""
+    steps = [s for s in steps if "reward/mean" in s]
+    untrained = [s for i, s in enumerate(steps) if all(p["actor/grad_norm"] == 0 for p in steps[:i])]
+    assert untrained and all(abs(s["distill/reverse_kl"]) < 1e-6 for s in untrained), steps
+    assert len(untrained) == len(steps) or abs(steps[-1]["distill/reverse_kl"]) > 1e-6, steps
