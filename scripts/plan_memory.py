@@ -9,8 +9,9 @@
 Builds the model of each pipeline stage on the meta device (Megatron-Core's layers, no weights:
 seconds) and composes each phase of a step from what the run's own code holds
 (megarl/planning/memory_plan.py names the source of every term): engine start, weight sync,
-generation (vLLM's share of the GPU), old/ref log-probs, critic values, actor and critic updates,
-HF export. Prints each phase's peak per pipeline stage and the binding stage's terms, then the
+generation (vLLM's share of the GPU), old/ref log-probs, a distillation teacher's log-probs
+(--teacher-hf-config, or a --config run's teacher: section), critic values, actor and critic
+updates, HF export. Prints each phase's peak per pipeline stage and the binding stage's terms, then the
 verdict; the last line is one JSON object with fits, peak_gb_per_gpu, phase_peaks_gb, headroom_gb
 and binding_phase.
 
@@ -66,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--adam", choices=ADAM_KINDS, default=None,
                         help="the Adam Megatron builds: te (TE's FusedAdam), apex, torch (AdamW, "
                         "multi-tensor on CUDA); default: te with --transformer-engine true, else torch")
+    parser.add_argument("--teacher-hf-config", help="a colocated distillation teacher's HF config.json "
+                        "(or its directory), planned at --teacher-train, offloaded between uses")
+    parser.add_argument("--teacher-train", default="tp=1", help="the teacher's layout: tp=,pp=,ep=")
     parser.add_argument("overrides", nargs="*", help="with --config: dotted overrides, as the training "
                         "script takes them (actor.recompute.granularity=full ...)")
     parser.add_argument("--reserve-gb", type=float, default=mp.RUNTIME_RESERVE_GB,
@@ -99,8 +103,17 @@ def _from_flags(args, arch) -> mp.MemoryRequest:
     dims = cp.train_dims(args.train, args.nodes * args.gpus_per_node)
     model = mp.TrainedModel(args.micro_batch_tokens, parse_recompute(args.recompute),
                             OptimizerOffloadConfig(fraction=args.optimizer_offload))
+    teacher = None
+    if args.teacher_hf_config:
+        try:
+            teacher_dims = cp.train_dims(args.teacher_train, dims.world_size)
+        except ValueError as error:
+            raise ValueError(f"--teacher-train {args.teacher_train!r}: {error}") from None
+        teacher = mp.TeacherModel(args.teacher_hf_config, cp.arch_of(_read_config(args.teacher_hf_config,
+                                                                                   "--teacher-hf-config")),
+                                  teacher_dims, args.micro_batch_tokens)
     return mp.MemoryRequest(
-        arch=arch, dims=dims, rollout=cp.rollout_layout(args.rollout),
+        arch=arch, dims=dims, rollout=cp.rollout_layout(args.rollout), teacher=teacher,
         device_bytes=args.gpu_memory_gb * mp.GB, actor=model, critic=model if args.critic else None,
         gpus_per_node=args.gpus_per_node, offload_params=args.offload_params,
         transformer_engine=args.transformer_engine == "true", adam=args.adam,
@@ -132,6 +145,11 @@ def _print(stages, verdict: dict) -> None:
     spec = "Transformer Engine's (flash attention)" if verdict["transformer_engine"] else \
         "the portable one (K and V repeated per query head)"
     print(f"layer spec: {spec}; Adam: {ADAM_NAMES[verdict['adam']]}")
+    if verdict["teacher"]:
+        teacher = verdict["teacher"]
+        where = "off the GPU outside" if teacher["offload"] else "kept beyond"
+        print(f"teacher {teacher['name']}: tp={teacher['layout']['tp']}, pp={teacher['layout']['pp']}, "
+              f"ep={teacher['layout']['ep']}, its weights {where} its teacher_logprobs phase")
     print(f"stage {verdict['binding_stage']}'s terms (GB): " + ", ".join(
         f"{k} {v}" for k, v in verdict["terms_gb"].items() if v))
     print(f"peak {verdict['peak_gb_per_gpu']} GB of {verdict['device_gb']} GB in {verdict['binding_phase']}"
@@ -140,15 +158,18 @@ def _print(stages, verdict: dict) -> None:
         print(mp.refusal(verdict))
 
 
+def _read_config(path: str, flag: str) -> dict:
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{flag} {path!r}: no such file (pass a config.json or its directory)")
+    with open(config_file) as f:
+        return json.load(f)
+
+
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
     try:
-        path = args.hf_config
-        config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.isfile(config_file):
-            raise ValueError(f"--hf-config {path!r}: no such file (pass a config.json or its directory)")
-        with open(config_file) as f:
-            hf_config = json.load(f)
+        hf_config = _read_config(args.hf_config, "--hf-config")
         if args.overrides and not args.config:
             raise ValueError(f"overrides {args.overrides} need --config (a run's YAML to override)")
         request = _from_run(args, hf_config) if args.config else \

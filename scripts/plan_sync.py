@@ -185,7 +185,8 @@ def build(args: argparse.Namespace) -> Tuple[cp.ClusterPlan, str]:
         fp8_layout.check_fp8_layout(arch, rollout)
     links, how = links_of(args, None if args.gpu else gpu_kinds.visible_device())
     return cp.plan_cluster(arch, dims, rollout, args.gpus_per_node, int(args.bucket_mb * 2**20), links,
-                           max_regions=10**18 if args.all_engines else args.max_regions), how
+                           max_regions=10**18 if args.all_engines else args.max_regions,
+                           quantization=args.rollout_quantization), how
 
 
 def _table(result: cp.ClusterPlan, show: int) -> None:
@@ -207,7 +208,8 @@ def _table(result: cp.ClusterPlan, show: int) -> None:
 def plan_fp8(result: cp.ClusterPlan) -> dict:
     """An FP8 engine rank's weights (its ranks hold equal shares): FP8 codes and fp32 block scales
     of the quantized tensors, the rest in the model's dtype, against all of them in that dtype. The
-    sync itself moves the model's dtype (each engine rank quantizes what it receives), as above."""
+    sync's figures above count what it moves: codes and scales where the senders quantize (every
+    slab of a tensor whole blocks), the model's dtype where the engine rank does."""
     itemsize = cp.DTYPES[result.arch.dtype].itemsize
     tensors = vllm_rank_tensors(result.arch, result.rollout, 0)
     kept = set(fp8_layout.kept_in_bf16(result.arch, result.rollout))
@@ -218,7 +220,9 @@ def plan_fp8(result: cp.ClusterPlan) -> dict:
             "fp8_code_bytes_per_rank": sum(t.numel for t in fp8),
             "fp8_scale_bytes_per_rank": sum(map(fp8_layout.scale_count, (t.shape for t in fp8)))
             * fp8_layout.SCALE_BYTES,
-            "kept_unquantized_modules": len(kept)}
+            "kept_unquantized_modules": len(kept),
+            "quantized_by_senders": result.quantized_by_senders,
+            "quantized_by_receivers": result.quantized_by_receivers}
 
 
 def report(result: cp.ClusterPlan, show: int = 8, lora=None, gpu_choice: str = "", fp8: bool = False) -> dict:
@@ -273,8 +277,10 @@ def report(result: cp.ClusterPlan, show: int = 8, lora=None, gpu_choice: str = "
               f"{cp.gb(q['fp8_code_bytes_per_rank'])}, block scales {cp.gb(q['fp8_scale_bytes_per_rank'])}, "
               f"the rest in {result.arch.dtype}; {q['kept_unquantized_modules']} MLP modules, not whole "
               f"blocks, kept unquantized) against {cp.gb(q['unquantized_engine_bytes_per_rank'])} "
-              f"unquantized; the sync moves the {result.arch.dtype} bytes above, quantized on the "
-              "receiving rank")
+              f"unquantized. Of the FP8 tensors the engine ranks receive, {q['quantized_by_senders']} "
+              f"come as codes and scales quantized by their senders (every slab whole blocks), "
+              f"{q['quantized_by_receivers']} in {result.arch.dtype}, quantized by the receiving rank; "
+              "the bytes above count both")
     print(json.dumps(summary))
     return summary
 

@@ -104,7 +104,8 @@ def main():
                              "the log-probs compared are after the second, and a third sync of the same "
                              "adapters must leave the engine's weights as they were (key 'adapter_sync')")
     parser.add_argument("--rollout-quantization", default="none", choices=["none", "fp8"],
-                        help="fp8: a block-FP8 engine, quantized at each sync (rollout/vllm/fp8_engine.py); "
+                        help="fp8: a block-FP8 engine, quantized at each sync (rollout/vllm/fp8_engine.py: "
+                             "by the senders where their slabs are whole blocks, key quantized_by_senders); "
                              "--loader-parity then compares with vLLM loading the same weights as a "
                              "block-FP8 checkpoint")
     parser.add_argument("--export", default=None, metavar="DIR",
@@ -172,7 +173,7 @@ def main():
               **{key: [r[key] for r in ranks] for key in (
                   "bytes_received", "bytes_sent", "local_bytes", "shard_bytes", "messages",
                   "messages_received", "peak_extra_bytes", "measured_peak_bytes",
-                  "largest_tensor_bytes")},
+                  "largest_tensor_bytes", "quantized_by_senders")},
               # per rank: [peer, dtype, bytes] as its transport counted them
               **{key: [sorted([peer, dtype, n] for (peer, dtype), n in r[key].items()) for r in ranks]
                  for key in ("received_from", "sent_to")}}

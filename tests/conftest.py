@@ -62,8 +62,10 @@ TIERS = {
     "test_evaluate_script": UNIT,
     # scripts/gpu_check.sh end to end on the CPU (parity, bench and memory launches); the size check
     # real vLLM FP8 engines after real syncs (scripts/verify_sync.py); the layout check alone
-    "test_fp8_engine": (E2E, {"test_what_an_fp8_engine_cannot_hold_is_refused_by_name": UNIT,
-                              "test_plan_sync_counts_fp8_engine_bytes": UNIT}),
+    "test_fp8_engine": (E2E, {
+        "test_what_an_fp8_engine_cannot_hold_is_refused_by_name": UNIT,
+        "test_plan_sync_counts_fp8_engine_bytes": UNIT,
+        "test_the_plan_quantizes_on_the_sender_where_its_slabs_are_whole_blocks": UNIT}),
     "test_gpu_check": (DISTRIBUTED, {"test_the_gpu_plan_is_the_issue_s_check": UNIT,
                                      "test_problems_name_each_failed_check": UNIT,
                                      "test_the_dense_update_and_the_head_are_held_to_their_targets_on_a_gpu":
@@ -138,8 +140,16 @@ TIERS = {
     "test_source_layout_live": DISTRIBUTED,
     "test_spec_keys": DISTRIBUTED,  # Megatron models at TP2 over gloo
     "test_streaming_rollout": E2E,  # partial rollouts on a real vLLM engine
-    # real TensorBoard, W&B (offline) and MLflow (SQLite) files, read back; ~10 s
+    # one 2-rank launch: the actor and teachers at layouts of their own, against transformers
+    "test_teacher": (DISTRIBUTED, {name: UNIT for name in (
+        "test_a_teacher_layout_that_does_not_divide_the_world_is_refused_by_name",
+        "test_flops_count_the_teachers_forward_with_its_own_architecture",
+        "test_plan_memory_shows_the_teacher_phase_and_preflight_refuses_one_that_does_not_fit")}),
+    # a vLLM server shared by the module, a two-rank worker, a run whose served teacher is killed
+    "test_teacher_served": (E2E, {"test_token_scores_read_vllm_prompt_logprobs": UNIT,
+                                  "test_a_url_that_does_not_answer_is_refused": UNIT}),
     "test_teacher_config": UNIT,
+    # real TensorBoard, W&B (offline) and MLflow (SQLite) files, read back; ~10 s
     "test_trackers": UNIT,
     "test_trainer_checkpoint": UNIT,
     "test_trainer_flops": UNIT,

@@ -14,7 +14,7 @@ LAYERS = {
     "models": 2, "rewards": 2,
     "rollout": 3,
     "actor": 4, "evaluation": 4,
-    "critic": 5, "resharding": 5,
+    "critic": 5, "resharding": 5, "teacher": 5,
     "checks": 6, "demo": 6, "planning": 6,
     "rollout_ranks": 7,
     "trainer": 8,

@@ -56,7 +56,7 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _distinct(tensors) -> List[torch.UntypedStorage]:
+def distinct_storages(tensors) -> List[torch.UntypedStorage]:
     """The distinct non-empty storages under `tensors` (views of one buffer share one)."""
     seen = {}
     for t in tensors:
@@ -105,23 +105,32 @@ def offload(state: TrainState, *, optimizer: bool = True, params: bool = False) 
     so the two parts can go in separate calls, each reloaded from its own Offloaded. Until
     `reload`, the model may not run (with its parameters kept, its weights can still be read,
     e.g. by a weight sync)."""
-    param_storages = _distinct(p for chunk in state.model for p in chunk.parameters())
+    param_storages = distinct_storages(p for chunk in state.model for p in chunk.parameters())
     to_copy, grads = [], []
     if optimizer:
         param_ptrs = {s.data_ptr() for s in param_storages}
         main, moments = _optimizer_tensors(state)
         # fp32 models' main params are views of the parameters: they move with the parameters.
-        to_copy += _distinct(moments + [p for p in main if p.untyped_storage().data_ptr() not in param_ptrs])
-        grads = _distinct(buffer.grad_data for chunk in state.model
-                          for buffer in chunk.buffers + chunk.expert_parallel_buffers)
+        to_copy += distinct_storages(moments + [p for p in main
+                                                if p.untyped_storage().data_ptr() not in param_ptrs])
+        grads = distinct_storages(buffer.grad_data for chunk in state.model
+                                  for buffer in chunk.buffers + chunk.expert_parallel_buffers)
     if params:
         to_copy += param_storages
+    return to_host(to_copy, grads)
+
+
+def to_host(storages: Sequence[torch.UntypedStorage],
+            grads: Sequence[torch.UntypedStorage] = ()) -> Offloaded:
+    """Free `storages` on the device, their bytes copied to the host first, and `grads` (not
+    copied: zeroed when reloaded). Every tensor viewing them keeps its shape; `reload` makes them
+    valid again. The one mechanism of every offload (the actor's here, a colocated teacher's)."""
     # Copy everything before freeing anything: a failed copy (host out of memory) loses nothing.
     # Blocking copies, so the host holds the bytes before the device storage is reused.
     # Fresh host buffers each time: torch caches pinned blocks, so from the second handoff on the
     # same sizes are not pinned again (one H100: first offload 1.5-6 GB/s, later ~30 GB/s).
     done = Offloaded()
-    for storage in to_copy:
+    for storage in storages:
         host = torch.empty(storage.size(), dtype=torch.uint8, pin_memory=device_choice.on_gpu())
         host.copy_(_bytes(storage))
         done.copies.append((storage, host))

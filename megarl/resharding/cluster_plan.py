@@ -25,10 +25,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from megarl.models.hf.config import DTYPES, ModelArch, arch_from_hf_config
+from megarl.models.weights import fp8_layout
 from megarl.models.weights.destination import RolloutLayout, check_rollout, vllm_layout
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import gpu_kinds, metadata
-from megarl.resharding.plan import Plan, build_plan
+from megarl.resharding.plan import Plan, build_plan, opened_bytes
 from megarl.resharding.source_layout import layout_pieces, rank_coords
 
 TRAIN_KEYS = ("tp", "pp", "cp", "ep", "etp", "vpp", "dp", "first_stage_layers", "last_stage_layers")
@@ -269,12 +270,12 @@ def _tally(copies, node_of: Tuple[int, ...]):
             s["messages"] += 1
             d["messages_received"] += 1
         else:
-            packed[(src, dst, c.dtype)] = packed.get((src, dst, c.dtype), 0) + nbytes
+            packed[(src, dst, c.wire)] = packed.get((src, dst, c.wire), 0) + nbytes
             s["packed_sent"] += nbytes
             d["packed_received"] += nbytes
             alloc[src] = alloc.get(src, 0) + nbytes
             alloc[dst] = alloc.get(dst, 0) + nbytes
-    for src, dst, _ in packed:  # one message per (peer, dtype)
+    for src, dst, _ in packed:  # one message per (peer, wire dtype)
         per[src]["messages"] += 1
         per[dst]["messages_received"] += 1
     return per, alloc, peers
@@ -301,13 +302,15 @@ def plan_stats(plan: Plan, node_of: Tuple[int, ...], itemsize: int, links: Links
                ) -> Tuple[Dict[int, RankStats], Timing]:
     """Every rank's RankStats and the sync's Timing, in one pass over the plan. `itemsize`: bytes
     per element of the engine's tensors (peak memory: a bucket's opened engine tensors + its
-    largest round's buffers, as sync._stream counts it)."""
+    largest round's buffers, as sync._stream counts it: an FP8 tensor its senders quantize opens
+    as codes and scales)."""
     stats: Dict[int, RankStats] = {}
     module_bytes: Dict[int, Dict[str, int]] = {}
     for rank, tensors in plan.tensors.items():
         mine = module_bytes.setdefault(rank, {})
+        quantized = plan.quantized(rank)
         for t in tensors:
-            mine[t.module] = mine.get(t.module, 0) + t.numel * itemsize
+            mine[t.module] = mine.get(t.module, 0) + opened_bytes(t, itemsize, quantized)
     schedule, barrier, rounds, exchanging, receiving = _Schedule(), 0.0, 0, 0, 0
     round_s = links.round_us * 1e-6
     for bucket in plan.buckets:
@@ -380,6 +383,11 @@ class ClusterPlan:
     model_bytes: int
     plan_seconds: float           # wall time of layout_pieces + vllm_layout + build_plan
     stats_seconds: float
+    quantization: str = "none"    # "fp8": block-FP8 engines (fp8_layout.quantized_layout)
+    # FP8 engine tensors of the planned engines' ranks (one per rank holding it), by who quantizes
+    # them: their senders (codes and scales travel) or the receiving rank (the model's dtype does)
+    quantized_by_senders: int = 0
+    quantized_by_receivers: int = 0
 
     @property
     def world(self) -> int:
@@ -451,6 +459,9 @@ class ClusterPlan:
             "ranks_per_round": self.timing.ranks_per_round,
             "receivers_per_round": self.timing.receivers_per_round,
             "copies": self.copies,
+            "quantization": self.quantization,
+            "quantized_by_senders": self.quantized_by_senders,
+            "quantized_by_receivers": self.quantized_by_receivers,
             "plan_wall_seconds": self.plan_seconds,
             "stats_wall_seconds": self.stats_seconds,
             "assumptions": asdict(self.links),
@@ -463,10 +474,11 @@ class ClusterPlan:
 
 def plan_cluster(arch: ModelArch, dims: ParallelDims, rollout: RolloutLayout, gpus_per_node: int,
                  bucket_bytes: int, links: Links = DEFAULT_LINKS, max_regions: int = MAX_REGIONS,
-                 engines: Optional[List[int]] = None) -> ClusterPlan:
+                 engines: Optional[List[int]] = None, quantization: str = "none") -> ClusterPlan:
     """Plan the sync of `arch` from training layout `dims` into engines `rollout` on nodes of
     `gpus_per_node` consecutive ranks. `engines`: which engines to plan (default: all, or one
-    per distinct placement when that would exceed `max_regions` regions)."""
+    per distinct placement when that would exceed `max_regions` regions); `quantization` "fp8":
+    block-FP8 engines (rollout.quantization), a layout whose slices are not whole blocks refused."""
     world = dims.world_size
     if gpus_per_node < 1 or world % gpus_per_node:
         raise ValueError(f"gpus per node {gpus_per_node} must divide the world size {world}")
@@ -474,6 +486,10 @@ def plan_cluster(arch: ModelArch, dims: ParallelDims, rollout: RolloutLayout, gp
     start = time.perf_counter()
     pieces = layout_pieces(arch, dims)
     layout = vllm_layout(arch, rollout, world)
+    if quantization == "fp8":
+        layout = fp8_layout.quantized_layout(arch, rollout, layout)
+    elif quantization != "none":
+        raise ValueError(f"quantization {quantization!r}: expected 'none' or 'fp8'")
     every_engine = rollout.engines(world)
     count = len(every_engine)
     if engines is None:
@@ -491,13 +507,16 @@ def plan_cluster(arch: ModelArch, dims: ParallelDims, rollout: RolloutLayout, gp
     planned = time.perf_counter()
     itemsize = DTYPES[arch.dtype].itemsize
     ranks, timing = plan_stats(plan, node_of, itemsize, links)
+    fp8 = [(rank, t.name) for rank, tensors in subset for t in tensors if t.fp8]
+    by_senders = sum(len(plan.quantized(rank)) for rank, _ in subset)
     return ClusterPlan(
         arch=arch, dims=dims, rollout=rollout, nodes=world // gpus_per_node,
         gpus_per_node=gpus_per_node, bucket_bytes=bucket_bytes, links=links, engines=count,
         engines_planned=sorted(wanted), ranks=ranks, timing=timing,
         buckets=len(plan.buckets), copies=sum(len(b.copies) for b in plan.buckets),
         model_bytes=metadata.model_bytes(pieces), plan_seconds=planned - start,
-        stats_seconds=time.perf_counter() - planned)
+        stats_seconds=time.perf_counter() - planned, quantization=quantization,
+        quantized_by_senders=by_senders, quantized_by_receivers=len(fp8) - by_senders)
 
 
 def gb(nbytes: float) -> str:

@@ -16,18 +16,27 @@ finishes a module at once), layer by layer in weight-table order within each pip
 each independent engine takes the stages in turn from its own starting stage, so in every bucket
 every stage sends, each to its share of the engines. Each rank's own share of every round is
 indexed once with the plan, so a sync never walks other ranks' copies.
+
+Into a block-FP8 engine tensor (DestTensor.fp8) the copies are of one of two kinds, chosen here
+per destination tensor on each rank: when every copy into it is whole 128 x 128 blocks
+(fp8_layout.sender_quantizes), each is `Copy.fp8`: its sender quantizes it and sends codes and
+scales, and the engine rank writes them straight into its codes and scales; otherwise every copy
+carries the model's dtype and the engine rank quantizes the whole tensor once it holds it.
 """
 
 import collections
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from megarl.models.hf.config import DTYPES
+from megarl.models.weights import fp8_layout
 from megarl.models.weights.destination import DestTensor
 
 _BYTES = {str(dtype): dtype.itemsize for dtype in DTYPES.values()}  # keyed like Piece.dtype
 DIRECT_BYTES = 256 * 2**10
+FP8_WIRE = "torch.uint8"  # sender-quantized copies travel as bytes: their scales, then their codes
 
 
 @dataclass(frozen=True)
@@ -89,10 +98,19 @@ class Copy:
     numel: int
     dtype: str
     dst_step: int = 1  # destination rows this far apart (Region.step)
+    fp8: bool = False  # quantized by the sender: block-FP8 codes and scales travel (module docstring)
 
     @property
     def nbytes(self) -> int:
+        if self.fp8:
+            return fp8_layout.sent_bytes(self.numel, self.dim, self.length)
         return self.numel * _BYTES[self.dtype]
+
+    @property
+    def wire(self) -> str:
+        """The dtype of the message it travels in (packed copies: one message per peer, round
+        and wire)."""
+        return FP8_WIRE if self.fp8 else self.dtype
 
     @property
     def direct(self) -> bool:
@@ -100,8 +118,9 @@ class Copy:
         buffer on either side: a large slab of rows, contiguous on both ends (parameters are
         contiguous; a slab along dim 0 of one, or of one expert of one, is too). Smaller or
         column slabs share one packed buffer per peer and round, so per-message costs stay
-        bounded. Both ends, and the cluster planner, decide from the plan alone."""
-        return (self.src != self.dst and self.dim == 0 and self.dst_step == 1
+        bounded. Both ends, and the cluster planner, decide from the plan alone. A sender-quantized
+        copy is made on the sender anyway (its codes and scales): it is packed."""
+        return (self.src != self.dst and self.dim == 0 and self.dst_step == 1 and not self.fp8
                 and self.nbytes >= DIRECT_BYTES)
 
 
@@ -126,6 +145,15 @@ def peak_bound(tensors: Sequence[DestTensor], bucket_bytes: int, itemsize: int) 
     for t in tensors:
         modules[t.module] = modules.get(t.module, 0) + t.numel * itemsize
     return 2 * max(bucket_bytes, max(modules.values(), default=0))
+
+
+def opened_bytes(tensor: DestTensor, itemsize: int, quantized: FrozenSet[str]) -> int:
+    """What a rank opens for its destination `tensor` (sync._stream counts it): its codes and
+    scales when its senders quantize it (`quantized`: Plan.quantized), else the tensor in the
+    model's dtype (`itemsize`; an FP8 engine quantizes from it at close)."""
+    if tensor.name in quantized:
+        return tensor.numel + fp8_layout.scale_count(tensor.shape) * fp8_layout.SCALE_BYTES
+    return tensor.numel * itemsize
 
 
 def _rounds(copies: List[Copy], bucket_bytes: int) -> Tuple[Tuple[Copy, ...], ...]:
@@ -191,6 +219,13 @@ class Plan:
     def shard_bytes(self, rank: int) -> int:
         """Bytes of `rank`'s own destination tensors that come from the model (its shard)."""
         return sum(c.nbytes for c in self._own(rank) if c.dst == rank)
+
+    def quantized(self, rank: int) -> FrozenSet[str]:
+        """`rank`'s FP8 destination tensors its senders quantize (Copy.fp8): it opens their codes
+        and scales, not a tensor in the model's dtype."""
+        if not any(t.fp8 for t in self.tensors.get(rank, ())):  # no walk over its copies
+            return frozenset()
+        return frozenset(c.tensor for c in self._own(rank) if c.dst == rank and c.fp8)
 
 
 def _index(buckets: Tuple[Bucket, ...]) -> Dict[int, Work]:
@@ -374,5 +409,24 @@ def build_plan(pieces: Tuple[Piece, ...], layout: Tuple[Tuple[int, Tuple[DestTen
 def _module_copies(per_rank: Dict[int, List[DestTensor]], by_tensor: Dict[str, Dict[int, List[Piece]]],
                    node_of: Tuple[int, ...], load: Dict[int, int]) -> List[Copy]:
     """One module's copies on its ranks."""
-    return [copy for rank, tensors in per_rank.items() for tensor in tensors for region in tensor.regions
-            for copy in _cut(region, by_tensor[region.canonical], tensor, rank, node_of, load)]
+    copies: List[Copy] = []
+    for rank, tensors in per_rank.items():
+        for tensor in tensors:
+            cut = [copy for region in tensor.regions
+                   for copy in _cut(region, by_tensor[region.canonical], tensor, rank, node_of, load)]
+            copies += _sender_quantized(tensor, cut, load) if tensor.fp8 else cut
+    return copies
+
+
+def _sender_quantized(tensor: DestTensor, copies: List[Copy], load: Dict[int, int]) -> List[Copy]:
+    """The copies into FP8 `tensor` on one rank, each made Copy.fp8 when every one is whole blocks
+    (fp8_layout.sender_quantizes) of a source in the engine's dtype; their senders' load then counts
+    the bytes they send."""
+    if not all(c.dst_step == 1 and c.dtype in fp8_layout.SENDER_DTYPES
+               and fp8_layout.sender_quantizes(tensor, c.dim, c.dst_start, c.length) for c in copies):
+        return copies
+    quantized = [dataclasses.replace(c, fp8=True) for c in copies]
+    for before, after in zip(copies, quantized):
+        if before.src != before.dst:
+            load[before.src] += after.nbytes - before.nbytes
+    return quantized

@@ -17,12 +17,13 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
+from megarl.models.hf import fp8_blocks
 from megarl.models.hf.config import ModelArch
-from megarl.models.weights import destination
+from megarl.models.weights import destination, fp8_layout
 from megarl.parallel_state.links import Links, WorldLinks
 from megarl.platform import device_memory
 from megarl.resharding import metadata, transport
-from megarl.resharding.plan import Copy, Plan, build_plan
+from megarl.resharding.plan import Copy, Plan, build_plan, opened_bytes
 from megarl.rollout.engine import WeightDestination, WeightLayout, check_update
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -54,6 +55,8 @@ class SyncReport:
                               # engine's own processing included (platform/device_memory.py)
     model_bytes: int          # every full tensor of the model once
     largest_tensor_bytes: int  # this rank's largest destination module (opened at once)
+    quantized_by_senders: int  # this rank's FP8 engine tensors that came as codes and scales
+                               # (resharding/plan.py); its engine quantized its other FP8 ones
 
     @property
     def engine_bytes(self) -> int:
@@ -73,6 +76,8 @@ def layout_tensors(arch: ModelArch, layout: WeightLayout, role: str = "policy"):
     if layout.format == "vllm":
         rollout = destination.RolloutLayout(layout.tp, layout.ep)
         tensors = destination.vllm_layout(arch, rollout, layout.world, role)
+        if layout.quantization == "fp8":
+            tensors = fp8_layout.quantized_layout(arch, rollout, tensors)
         return {first + r: t for r, t in tensors.items()}, rollout.engines(layout.world, first)
     if layout.format == "hf":
         return {first: destination.hf_tensors(arch, role)}, ((first,),)
@@ -93,8 +98,10 @@ class RankPlan:
     this rank opens (in its layout's order, which the engine finishes modules in) and its own
     copies, round by round (Plan.rank_work)."""
     buckets: Tuple[Tuple[Tuple[str, ...], Tuple[Tuple[Copy, ...], ...]], ...]
-    expected: Dict[str, Tuple[int, ...]]  # this rank's destination tensors: name -> shape
+    expected: Dict[str, Tuple[int, ...]]  # this rank's destination tensors: name -> shape (and the
+                                          # scales of those its senders quantize: Plan.quantized)
     padded: FrozenSet[str]          # those with rows no copy writes (vocabulary padding): zeroed
+    quantized: FrozenSet[str]       # FP8 ones whose senders quantize them (Plan.quantized)
     shard_bytes: int
     model_bytes: int
     largest_tensor_bytes: int       # its largest destination module (opened at once)
@@ -116,20 +123,28 @@ def rank_plan(arch: ModelArch, weight_layout: WeightLayout, gathered: metadata.G
 
 
 def _share(plan: Plan, rank: int, model_bytes: int, itemsize: int) -> RankPlan:
+    """A tensor its senders quantize is opened with its scales (its codes and its scales are
+    written); the rank's engine learns which from `expected`."""
     mine = plan.tensors.get(rank, ())
+    quantized = plan.quantized(rank)
+    scales = {fp8_blocks.scale_name(t.name): fp8_layout.scale_shape(t.shape)
+              for t in mine if t.name in quantized}
     bucket_of = {module: b for b, bucket in enumerate(plan.buckets)
                  for module in bucket.modules.get(rank, ())}
     names: List[List[str]] = [[] for _ in plan.buckets]
-    module_numel: Dict[str, int] = {}
+    module_bytes: Dict[str, int] = {}
     for tensor in mine:
         if tensor.module in bucket_of:
             names[bucket_of[tensor.module]].append(tensor.name)
-        module_numel[tensor.module] = module_numel.get(tensor.module, 0) + tensor.numel
+            if tensor.name in quantized:
+                names[bucket_of[tensor.module]].append(fp8_blocks.scale_name(tensor.name))
+        module_bytes[tensor.module] = (module_bytes.get(tensor.module, 0)
+                                       + opened_bytes(tensor, itemsize, quantized))
     return RankPlan(buckets=tuple(zip(map(tuple, names), plan.rank_work(rank))),
-                    expected={t.name: t.shape for t in mine},
-                    padded=frozenset(t.name for t in mine if t.covered < t.numel),
+                    expected={**{t.name: t.shape for t in mine}, **scales},
+                    padded=frozenset(t.name for t in mine if t.covered < t.numel), quantized=quantized,
                     shard_bytes=plan.shard_bytes(rank), model_bytes=model_bytes,
-                    largest_tensor_bytes=max(module_numel.values(), default=0) * itemsize)
+                    largest_tensor_bytes=max(module_bytes.values(), default=0))
 
 
 @torch.no_grad()
@@ -159,7 +174,8 @@ def sync_weights(chunks: List[torch.nn.Module], arch: ModelArch, engine: WeightD
                       messages_received=traffic.messages_received, received_from=traffic.received,
                       sent_to=traffic.sent, shard_bytes=work.shard_bytes,
                       peak_extra_bytes=peak, measured_peak_bytes=measured.extra_bytes,
-                      model_bytes=work.model_bytes, largest_tensor_bytes=work.largest_tensor_bytes)
+                      model_bytes=work.model_bytes, largest_tensor_bytes=work.largest_tensor_bytes,
+                      quantized_by_senders=len(work.quantized))
 
 
 def _stream(work: RankPlan, engine: WeightDestination, local: Dict[Tuple[str, int], torch.Tensor],

@@ -10,6 +10,10 @@ own share of the plan (Plan.rank_work). Memory in flight: this rank's buffers of
 (plan.py keeps them within the bucket size). What moves is counted here, message by message as
 it is posted (Traffic), not read back from the plan: the sync reports these counts, and the tests
 hold them against the planner's (tests/test_plan_sync.py).
+A sender-quantized copy (Copy.fp8: into a block-FP8 engine tensor, resharding/plan.py) is
+quantized from its source slab here on the sender (models/hf/fp8_blocks.py, the quantizer the
+engine uses) and travels packed as bytes, all its peer's scales of the round first (fp32, kept
+4-byte aligned) then their codes; the receiver writes them into the tensor's codes and scales.
 Every destination tensor must be on the Links' device, as this module's buffers are: NCCL
 receives only into tensors on its GPU, while gloo takes a CPU tensor as well, so a destination
 elsewhere would pass every CPU test and crash on a GPU. It is refused before anything is posted.
@@ -20,11 +24,14 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from megarl.models.hf import fp8_blocks
 from megarl.models.hf.config import DTYPES
+from megarl.models.weights import fp8_layout
 from megarl.parallel_state.links import Links, Transfer
-from megarl.resharding.plan import Copy
+from megarl.resharding.plan import FP8_WIRE, Copy
 
-TORCH_DTYPES = {str(dtype): dtype for dtype in DTYPES.values()}  # Piece.dtype -> torch.dtype
+# Copy.wire -> torch.dtype
+TORCH_DTYPES = {**{str(dtype): dtype for dtype in DTYPES.values()}, FP8_WIRE: torch.uint8}
 
 
 def _source(copy: Copy, local: Dict[Tuple[str, int], torch.Tensor]) -> torch.Tensor:
@@ -39,6 +46,38 @@ def _target(copy: Copy, targets: Dict[str, torch.Tensor]) -> torch.Tensor:
         return tensor.narrow(copy.dim, copy.dst_start, copy.length)
     rows = tensor.narrow(copy.dim, copy.dst_start, (copy.length - 1) * copy.dst_step + 1)
     return rows[(slice(None),) * copy.dim + (slice(None, None, copy.dst_step),)]
+
+
+def _scale_target(copy: Copy, targets: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """The scales of a sender-quantized copy's blocks in its tensor's weight_scale_inv."""
+    scale = targets[fp8_blocks.scale_name(copy.tensor)]
+    if copy.expert is not None:
+        scale = scale[copy.expert]
+    return scale.narrow(copy.dim, *fp8_layout.slab_scales(copy.dim, copy.dst_start, copy.length))
+
+
+def _quantized(copy: Copy, local: Dict[Tuple[str, int], torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(codes as bytes, scales) of a sender-quantized copy's source slab."""
+    codes, scales = fp8_blocks.quantize(_source(copy, local), fp8_blocks.BLOCK)
+    return codes.view(torch.uint8), scales
+
+
+def _pack_fp8(copies: List[Copy], local: Dict[Tuple[str, int], torch.Tensor], device) -> torch.Tensor:
+    """One peer's sender-quantized copies of a round as one byte buffer: every copy's scales, then
+    every copy's codes (the scales' offsets stay multiples of 4, as viewing them as fp32 needs)."""
+    flat = torch.empty(sum(c.nbytes for c in copies), dtype=torch.uint8, device=device)
+    scales, codes = _fp8_parts(copies, flat)
+    for copy, scale_bytes, code_bytes in zip(copies, scales, codes):
+        quantized_codes, quantized_scales = _quantized(copy, local)
+        code_bytes.copy_(quantized_codes.reshape(-1))
+        scale_bytes.copy_(quantized_scales.view(torch.uint8).reshape(-1))
+    return flat
+
+
+def _fp8_parts(copies: List[Copy], flat: torch.Tensor) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """The scale bytes and code bytes of each copy in a buffer _pack_fp8 laid out."""
+    parts = flat.split([c.nbytes - c.numel for c in copies] + [c.numel for c in copies])
+    return list(parts[:len(copies)]), list(parts[len(copies):])
 
 
 @dataclass
@@ -102,7 +141,12 @@ def _exchange_round(round_copies: Tuple[Copy, ...], links: Links,
     recvs: Dict[Tuple[int, str], List[Copy]] = {}
     outgoing, incoming, received, staged, writes = [], [], [], [], []
     for copy in round_copies:
-        if copy.src == rank == copy.dst:
+        if copy.src == rank == copy.dst and copy.fp8:
+            codes, scales = _quantized(copy, local)
+            writes += [(_target(copy, targets).view(torch.uint8), codes),
+                       (_scale_target(copy, targets), scales)]
+            local_bytes += codes.numel() + scales.numel() * scales.element_size()
+        elif copy.src == rank == copy.dst:
             source = _source(copy, local)
             writes.append((_target(copy, targets), source))
             local_bytes += source.numel() * source.element_size()
@@ -116,27 +160,35 @@ def _exchange_round(round_copies: Tuple[Copy, ...], links: Links,
                 target = staged[-1][1]
             incoming.append((target, copy.src))
         elif copy.src == rank:
-            sends.setdefault((copy.dst, copy.dtype), []).append(copy)
+            sends.setdefault((copy.dst, copy.wire), []).append(copy)
         elif copy.dst == rank:
-            recvs.setdefault((copy.src, copy.dtype), []).append(copy)
+            recvs.setdefault((copy.src, copy.wire), []).append(copy)
     _copy_all(writes)
     traffic.local_bytes += local_bytes
     if not outgoing and not incoming and not sends and not recvs:
         return 0
     allocated = sum(buffer.numel() * buffer.element_size() for _, buffer in staged)
-    for (peer, _), copies in sends.items():
-        flat = torch.cat([_source(c, local).reshape(-1) for c in copies])
+    for (peer, wire), copies in sends.items():
+        flat = (_pack_fp8(copies, local, device) if wire == FP8_WIRE
+                else torch.cat([_source(c, local).reshape(-1) for c in copies]))
         outgoing.append((flat, peer))
         allocated += flat.numel() * flat.element_size()
-    for (peer, dtype), copies in recvs.items():
-        flat = torch.empty(sum(c.numel for c in copies), dtype=TORCH_DTYPES[dtype], device=device)
+    for (peer, wire), copies in recvs.items():
+        flat = torch.empty(sum(c.nbytes for c in copies) // TORCH_DTYPES[wire].itemsize,
+                           dtype=TORCH_DTYPES[wire], device=device)
         incoming.append((flat, peer))
-        received.append((copies, flat))
+        received.append((wire, copies, flat))
         allocated += flat.numel() * flat.element_size()
     traffic.post(outgoing, incoming)
     links.exchange(outgoing, incoming)
     writes = list(staged)
-    for copies, flat in received:
+    for wire, copies, flat in received:
+        if wire == FP8_WIRE:
+            for copy, scale_bytes, code_bytes in zip(copies, *_fp8_parts(copies, flat)):
+                codes, scales = _target(copy, targets).view(torch.uint8), _scale_target(copy, targets)
+                writes += [(codes, code_bytes.view(codes.shape)),
+                           (scales, scale_bytes.view(torch.float32).view(scales.shape))]
+            continue
         for copy, part in zip(copies, flat.split([c.numel for c in copies])):
             target = _target(copy, targets)
             writes.append((target, part.view(target.shape)))

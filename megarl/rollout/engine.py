@@ -95,13 +95,15 @@ class WeightLayout:
     `first_rank`: the sync's rank of the destination's rank 0 (0 colocated; the first rollout
     rank on the trainer-rollout bridge). `adapters`: the destination takes the actor's LoRA
     adapters alone each sync (AdapterDestination: into LoRA slots, or merged into its weights by
-    itself); the weights it takes are the base's, written once."""
+    itself); the weights it takes are the base's, written once. `quantization` "fp8": a vLLM
+    destination holds its linear weights in block FP8 (rollout.quantization)."""
     format: str
     world: int
     tp: int = 1
     ep: int = 1
     first_rank: int = 0
     adapters: bool = False
+    quantization: str = "none"
 
 
 class WeightDestination(Protocol):

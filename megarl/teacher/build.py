@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Optional
 
 from megarl.models.hf.config import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.parallel_state.dims import ParallelDims
 from megarl.teacher.config import TeacherConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -26,6 +27,17 @@ def teacher_arch(teacher: TeacherConfig, student: ModelArch, student_dir: str) -
                          f"not the student's ({student_dir!r}: vocab_size {student.vocab_size}): a "
                          "teacher must share the student's tokenizer and vocabulary")
     return replace(arch, dtype=teacher.dtype) if teacher.dtype != "auto" else arch
+
+
+def teacher_dims(teacher: TeacherConfig, world_size: int) -> ParallelDims:
+    """The colocated teacher's layout in the trainer's world of `world_size` ranks: its tp, pp and
+    ep, cp 1, the rest its data parallel; refused naming teacher.* where it does not divide."""
+    try:
+        return ParallelDims(world_size=world_size, tp=teacher.tp, pp=teacher.pp, ep=teacher.ep)
+    except ValueError as error:
+        raise ValueError(f"teacher.tp={teacher.tp}, teacher.pp={teacher.pp}, teacher.ep={teacher.ep} in "
+                         f"the trainer's world of {world_size} ranks: {error}; choose teacher sizes whose "
+                         f"product divides {world_size}") from None
 
 
 def check_same_tokenizer(teacher_dir: str, student_dir: str) -> None:
@@ -47,10 +59,22 @@ def check_same_tokenizer(teacher_dir: str, student_dir: str) -> None:
 
 def build_teacher(resolved, **transformer_overrides) -> Optional[object]:
     """The run's teacher on this trainer rank, or None without one. Collective."""
-    teacher = resolved.config.teacher
+    config = resolved.config
+    teacher = config.teacher
     if not teacher.active:
         return None
+    if teacher.served:
+        from megarl.teacher.served import ServedTeacher
+
+        # the longest sequence a run scores, as its rollout engine's context (rollout/builder.py)
+        args = (resolved.arch.vocab_size, config.data.max_prompt_len + config.generation.max_new_tokens,
+                teacher.timeout_s)
+        if teacher.url:
+            return ServedTeacher(teacher.url, *args)
+        return ServedTeacher.serve(teacher.hf_dir, resolved.teacher_arch.dtype, *args,
+                                   log_path=os.path.join(config.run_dir, "teacher_server.log"))
     from megarl.teacher.colocated import ColocatedTeacher
 
-    return ColocatedTeacher(teacher.hf_dir, resolved.teacher_arch, resolved.dims,
-                            resolved.config.actor.batching, **transformer_overrides)
+    return ColocatedTeacher(teacher.hf_dir, resolved.teacher_arch, resolved.teacher_dims,
+                            config.actor.batching, teacher.offload, config.collective_timeout_s,
+                            **transformer_overrides)

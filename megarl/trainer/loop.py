@@ -200,7 +200,8 @@ def step(run: Run, number: int) -> StepResult:
     phases = flops.rl_phases(rollouts.generated_lengths, batch.lengths.tolist(),
                              reference=actor.reference is not None, critic=critic is not None,
                              actor_epochs=config.actor.batching.epochs,
-                             critic_epochs=config.critic.batching.epochs)
+                             critic_epochs=config.critic.batching.epochs,
+                             teacher=run.resolved.teacher_arch if run.resolved.teacher_dims else None)
     metrics = {**step_metrics(rollouts.collected, batch, config.algo, config.actor, actor_metrics,
                               critic_metrics, timer, trainer_version=number - 1),
                **rollouts.metrics,

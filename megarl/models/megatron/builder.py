@@ -34,9 +34,31 @@ def build_model(arch: ModelArch, dims: ParallelDims, role: str = "policy", meta:
     if meta:
         config_overrides.update(use_cpu_initialization=True, perform_initialization=False)
     config = transformer_config(arch, dims, use_te=use_te, **config_overrides)
-    with torch.device("meta") if meta else contextlib.nullcontext():
+    with _sized_only() if meta else contextlib.nullcontext():
         return [_chunk(arch, dims, role, config, use_te, vp_stage, on_device=not meta)
                 for vp_stage in range(dims.virtual_stages)]
+
+
+@contextlib.contextmanager
+def _sized_only():
+    """A build for its parameters' shapes: on the meta device, and without YaRN's cos/sin table,
+    which Megatron's YarnRotaryEmbedding computes on the CPU at construction whatever the device
+    (each MLA layer its own: 28 of the 41 s of building DeepSeek-V3's 16 stages, measured with
+    cProfile on `pytest tests/test_presets.py -k 'passes_preflight and deepseek_v3'`). The table
+    is a non-persistent buffer, rebuilt on a forward that finds none; a meta model runs none."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    build_table = YarnRotaryEmbedding._set_cos_sin_cache
+
+    def no_table(self, seq_len, offset, dtype, packed_seq=False):
+        self.max_seq_len_cached = -1  # any forward's length is beyond it: the table is built then
+
+    YarnRotaryEmbedding._set_cos_sin_cache = no_table
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        YarnRotaryEmbedding._set_cos_sin_cache = build_table
 
 
 def _chunk(arch: ModelArch, dims: ParallelDims, role: str, config, use_te: bool, vp_stage: int,

@@ -8,6 +8,7 @@ marks them allreduce=False). Everything else a rank holds is sized from these co
 (megatron_groups.fake_world).
 """
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -45,12 +46,30 @@ def held_params(arch: ModelArch, dims: ParallelDims, role: str = "policy", lora:
                 **config_overrides) -> Dict[int, HeldParams]:
     """{pipeline stage: what each of its ranks holds} of `arch` at `dims`, built by build_model
     on the meta device as each stage's first rank, with `lora`'s adapters attached as a LoRA run
-    attaches them (lora.attach: only they train). Not inside a running job (fake_world)."""
+    attaches them (lora.attach: only they train). Not inside a running job (fake_world).
+    Remembered per arguments: a plan asks again for what preflight, a preset's plans and the
+    planners' scripts asked already, and a giant layout's fake worlds (every group of a world of
+    hundreds of ranks, per stage) cost seconds each."""
+    key = (arch, dims, role, lora, tuple(sorted(config_overrides.items())))
+    try:
+        hash(key)
+    except TypeError:  # a LoRA config's per-module dicts: built again, as before
+        return _build_held_params(*key)
+    return dict(_remembered(*key))
+
+
+@functools.lru_cache(maxsize=64)
+def _remembered(*key) -> Dict[int, HeldParams]:
+    return _build_held_params(*key)
+
+
+def _build_held_params(arch: ModelArch, dims: ParallelDims, role: str, lora: Optional[LoraConfig],
+                 config_overrides: tuple) -> Dict[int, HeldParams]:
     held = {}
     for stage, rank in enumerate(stage_ranks(dims)):
         with megatron_groups.fake_world(dims, rank), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Megatron's notes on running the config
-            chunks = build_model(arch, dims, role=role, meta=True, **config_overrides)
+            chunks = build_model(arch, dims, role=role, meta=True, **dict(config_overrides))
             if lora is not None:
                 attach(chunks, arch, lora)
             params = [p for chunk in chunks for p in chunk.parameters()]

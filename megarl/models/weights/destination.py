@@ -50,6 +50,7 @@ class DestTensor:
     name: str                  # the engine's parameter name (or the HF tensor name)
     shape: Tuple[int, ...]
     regions: Tuple[Region, ...]
+    fp8: bool = False          # block FP8 in the engine (fp8_layout.quantized_layout)
 
     @property
     def module(self) -> str:

@@ -11,16 +11,26 @@ block). A dense MLP or shared expert whose slices are not whole blocks stays in 
 (`kept_in_bf16`: DeepSeek-V3's dense width 18432 and shared width 2048 at rollout TP32 are 576 and
 64 per rank; they are 0.5% of its weights); attention or routed experts that are not are refused
 (`misaligned`), from the architecture alone, so the planners and the engine refuse before any
-work. Pure functions, no vLLM.
+work.
+
+Who quantizes (`sender_quantizes`): the rows of a fused tensor's sub-projections start on block
+boundaries (the checks above; only the last may end in a partial block), so an FP8 engine tensor's
+blocks are those of one grid from its first row and column, and a slab of it along a dimension
+whose edges lie on that grid holds every row and column of each block it touches. The rank that
+sends such a slab quantizes it and sends 1-byte codes and fp32 scales (1 + 4/16384 bytes a weight
+against 2); a slab whose edge cuts a block (TP shards not aligned to 128 rows, heads of 64 rows
+read apart) leaves its tensor to the receiving engine rank, which gathers the whole tensor in the
+model's dtype and quantizes it there. Pure functions, no vLLM.
 """
 
+import dataclasses
 import math
-from typing import Collection, List, Tuple
+from typing import Collection, Dict, List, Tuple
 
 from megarl.models.hf import fp8_blocks
 from megarl.models.hf.config import ModelArch
 from megarl.models.weights import tables as weight_tables
-from megarl.models.weights.destination import RolloutLayout, _engine_heads
+from megarl.models.weights.destination import DestTensor, RolloutLayout, _engine_heads
 
 BLOCK = fp8_blocks.BLOCK
 SCALE_BYTES = 4  # fp32 weight_scale_inv
@@ -52,9 +62,52 @@ def is_fp8(name: str, shape: Tuple[int, ...], kept: Collection[str] = ()) -> boo
     return module not in kept and fp8_blocks.is_quantized(name, shape, {})
 
 
+def scale_shape(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The weight_scale_inv beside an FP8 tensor [..., rows, cols] (leading dims: experts)."""
+    return (*shape[:-2], *fp8_blocks.scale_shape(shape[-2:], BLOCK))
+
+
 def scale_count(shape: Tuple[int, ...]) -> int:
     """fp32 scales of an FP8 tensor [..., rows, cols] (leading dims: experts)."""
-    return math.prod(shape[:-2]) * -(-shape[-2] // BLOCK[0]) * -(-shape[-1] // BLOCK[1])
+    return math.prod(scale_shape(shape))
+
+
+def quantized_layout(arch: ModelArch, rollout: RolloutLayout, layout: Dict[int, Tuple[DestTensor, ...]]
+                     ) -> Dict[int, Tuple[DestTensor, ...]]:
+    """Every rank's destination tensors of an FP8 engine (destination.vllm_layout's), those it
+    holds in block FP8 marked `fp8`; refuses a layout whose slices are not whole blocks."""
+    check_fp8_layout(arch, rollout)
+    kept = set(kept_in_bf16(arch, rollout))
+    marked: Dict[int, Tuple[DestTensor, ...]] = {}  # by id: ranks at one engine position share a tuple
+    return {rank: marked.setdefault(id(tensors), tuple(
+        dataclasses.replace(t, fp8=True) if is_fp8(t.name, t.shape, kept) else t for t in tensors))
+        for rank, tensors in layout.items()}
+
+
+# Sources the sender quantizes as they are: the engine's dtype (the trainer and the engine both
+# run in the model's: check_fp8_dtype). A wider (fp32) source quantized as it is would give other
+# codes than the engine's quantizing of its own rounded copy: it keeps the receiver's path.
+SENDER_DTYPES = ("torch.bfloat16", "torch.float16")
+
+
+def sender_quantizes(tensor: DestTensor, dim: int, start: int, length: int) -> bool:
+    """Whether the slab [start, start + length) along `dim` of FP8 tensor `tensor` (every row or
+    column of its other dimension; of one expert for fused experts) is whole blocks: its edges on
+    the block grid, the last block of a dimension partial."""
+    size = tensor.shape[-2:][dim]
+    end = start + length
+    return start % BLOCK[dim] == 0 and (end % BLOCK[dim] == 0 or end == size)
+
+
+def slab_scales(dim: int, start: int, length: int) -> Tuple[int, int]:
+    """(first block, blocks) of a whole-blocks slab along `dim`: where its scales go."""
+    return start // BLOCK[dim], -(-length // BLOCK[dim])
+
+
+def sent_bytes(numel: int, dim: int, length: int) -> int:
+    """Bytes of a sender-quantized 2-D slab of `numel` elements, `length` along `dim`: its codes
+    and its blocks' fp32 scales."""
+    return numel + -(-length // BLOCK[dim]) * -(-(numel // length) // BLOCK[1 - dim]) * SCALE_BYTES
 
 
 def engine_bytes(name: str, shape: Tuple[int, ...], itemsize: int, quantized: bool,

@@ -3,15 +3,17 @@ experts as Fp8LinearMethod / Fp8MoEMethod with 128 x 128 block scales (codes in 
 an fp32 `weight_scale_inv` per block, the layout of DeepSeek-V3's and the Qwen3 `-FP8` releases'
 checkpoints), every other tensor in the run's dtype; the trainer stays in bf16.
 
-Each sync quantizes on the receiving engine rank: the plan delivers the rank's bf16 slice of every
-quantized weight into a staging tensor of the load-time shape, and `QuantizedWrites.quantize` turns
-it into codes and scales exactly as a checkpoint's tensors would be: per sub-projection of a
-fused tensor (q, k, v of qkv_proj; gate and up of gate_up_proj and w13; MLA's q_a and kv_a), each
-on its own 128-row blocks, as vLLM's loader places a checkpoint's separate tensors. That equals
-quantizing the full tensor and slicing it only where every rank's slice holds whole blocks, which
-vLLM itself requires at TP > 1 (vllm fp8_utils.validate_fp8_block_shape) and
-models/weights/fp8_layout.py checks before any work. Quantizing on the receiver moves bf16 bytes
-(2 per weight) where the sender could send 1 + 4/16384; the plan stays the bf16 one.
+Each sync quantizes every quantized weight exactly as a checkpoint's tensors would be: per
+sub-projection of a fused tensor (q, k, v of qkv_proj; gate and up of gate_up_proj and w13; MLA's
+q_a and kv_a), each on its own 128-row blocks, as vLLM's loader places a checkpoint's separate
+tensors. That equals quantizing the full tensor and slicing it only where every rank's slice holds
+whole blocks, which vLLM itself requires at TP > 1 (vllm fp8_utils.validate_fp8_block_shape) and
+models/weights/fp8_layout.py checks before any work; so a slab of whole blocks quantizes alike
+wherever it is. Who quantizes is the plan's choice, per tensor (resharding/plan.py): where every
+slab of it is whole blocks its senders do, and the sync writes their codes and scales into the
+load-time tensors (the plan then lists the tensor's scale too); otherwise the sync delivers the
+rank's bf16 slice into a staging tensor of the load-time shape and `QuantizedWrites.quantize`
+turns it into codes and scales here.
 A block-FP8 checkpoint's own quantization_config never decides: with rollout.quantization none
 its engine is built unquantized (rollout/vllm/unquantized.py), with fp8 with this module's config.
 
@@ -21,7 +23,7 @@ sync time. Does not own the quantizer (models/hf/fp8_blocks.py) or the layout ru
 """
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Collection, Dict, List, Sequence, Set, Tuple
 
 import torch
 
@@ -100,9 +102,10 @@ def quantize_into(weight: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
 
 
 class QuantizedWrites:
-    """The FP8 tensors of one vLLM model: `derived` are the scales a sync never plans (quantizing
-    makes them), `stage` hands out staging tensors in the model's dtype for the quantized weights
-    and `quantize` fills codes and scales from them once their module is written."""
+    """The FP8 tensors of one vLLM model: `derived` are the scales a sync plans only where the
+    senders quantize (`expect` learns which), `target` hands out what the sync writes each
+    quantized weight into (its codes, or a staging tensor in the model's dtype) and `quantize`
+    fills codes and scales from the staged ones once their module is written."""
 
     def __init__(self, load_dtypes: Dict[str, torch.dtype], dtype: torch.dtype):
         """`load_dtypes`: every parameter's load-time dtype (plain names); `dtype`: the model's."""
@@ -111,9 +114,17 @@ class QuantizedWrites:
         self.quantized = {name: _scale_attr(name) for name, d in load_dtypes.items()
                           if d == fp8_blocks.FP8_DTYPE and _scale_attr(name) in load_dtypes}
         self.derived = set(self.quantized.values())
+        self._arriving: Set[str] = set()  # weights whose senders quantize them (their scale planned)
         self._staged: Dict[str, torch.Tensor] = {}
 
-    def stage(self, name: str, load_time: torch.Tensor) -> torch.Tensor:
+    def expect(self, expected: Collection[str]) -> None:
+        """A sync's planned tensors: a quantized weight whose scale is among them arrives as codes
+        and scales; every other one is staged and quantized here."""
+        self._arriving = {name for name, scale in self.quantized.items() if scale in expected}
+
+    def target(self, name: str, load_time: torch.Tensor) -> torch.Tensor:
+        if name not in self.quantized or name in self._arriving:
+            return load_time
         self._staged[name] = torch.empty(load_time.shape, dtype=self.dtype, device=load_time.device)
         return self._staged[name]
 

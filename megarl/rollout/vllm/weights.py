@@ -33,8 +33,9 @@ class InPlaceWriter:
         self._real = {name.replace(".base_layer.", "."): name for name, _ in model.named_parameters()}
         self.names = list(self._real)
         self.written: Set[str] = set()
-        # FP8 engines (rollout/vllm/fp8_engine.py): the sync writes bf16 into staging tensors,
-        # quantized into codes and scales as each module closes; the scales are never planned.
+        # FP8 engines (rollout/vllm/fp8_engine.py): the sync writes the senders' codes and scales,
+        # or bf16 into staging tensors quantized into codes and scales as each module closes (their
+        # scales are then not planned).
         self.fp8 = QuantizedWrites({name: self._load_dtype(name) for name in self.names}, model_config.dtype)
 
     def begin(self, expected: Dict[str, Tuple[int, ...]]) -> None:
@@ -44,7 +45,8 @@ class InPlaceWriter:
         # Tensors vLLM derives while processing (MLA's W_UK_T and W_UV, from kv_b_proj) are gone
         # during a reload and made again when it finishes: nothing loads them.
         self.names = [name for name in self.names if self._loaded_at_load_time(name)]
-        shapes = {name: tuple(self._load_shape(name)) for name in self.names if name not in self.fp8.derived}
+        shapes = {name: tuple(self._load_shape(name)) for name in self.names
+                  if name not in self.fp8.derived or name in expected}
         missing = sorted(set(shapes) - set(expected))
         unexpected = sorted(set(expected) - set(shapes))
         wrong = sorted(f"{n}: engine {shapes[n]}, plan {tuple(expected[n])}"
@@ -56,6 +58,7 @@ class InPlaceWriter:
                              f"ones it lacks (e.g. {unexpected[:3]}), shapes differ: {wrong[:3]}. "
                              "megarl.models.weights.destination encodes vLLM's layouts: update it for "
                              "this vLLM version or model family")
+        self.fp8.expect(expected)
         self.written = set()
 
     def _loaded_at_load_time(self, name: str) -> bool:
@@ -84,8 +87,7 @@ class InPlaceWriter:
             layer = self.model.get_submodule(module)
             materialize_layer(layer, self._info(layer))
         opened = {name: self.model.get_parameter(self._real[name]).data for name in names}
-        return {name: self.fp8.stage(name, t) if name in self.fp8.quantized else t
-                for name, t in opened.items()}
+        return {name: self.fp8.target(name, t) for name, t in opened.items()}
 
     def loaded(self, names: Sequence[str]) -> Dict[str, torch.Tensor]:
         """The open load-time tensors, as written so far (before close processes them)."""
