@@ -24,6 +24,7 @@ TIERS = {
         "test_tool_demo_traces_call_insert_and_answer", "test_records_choose_tools_as_verl_lays_them_out")}),
     "test_algos_advantage_step": UNIT,
     "test_algos_advantages": UNIT,
+    "test_algos_distill": UNIT,
     "test_algos_losses": UNIT,
     "test_algos_rollout_correction": UNIT,
     "test_algos_shaping": UNIT,
@@ -147,6 +148,7 @@ TIERS = {
     # a vLLM server shared by the module, a two-rank worker, a run whose served teacher is killed
     "test_teacher_served": (E2E, {"test_token_scores_read_vllm_prompt_logprobs": UNIT,
                                   "test_a_url_that_does_not_answer_is_refused": UNIT}),
+    "test_teacher_config": UNIT,
     # real TensorBoard, W&B (offline) and MLflow (SQLite) files, read back; ~10 s
     "test_trackers": UNIT,
     "test_trainer_checkpoint": UNIT,

@@ -18,7 +18,15 @@ import signal
 import time
 
 import pytest
+import torch
 
+from tests.distillation import (
+    WORKER,
+    assert_teacher_is_the_start,
+    check_distilled,
+    perturbed_teacher,
+    teacher_args,
+)
 from tests.launch import ROOT, finish, one_rank_env, run, start
 from tests.learning import assert_learned
 
@@ -96,15 +104,21 @@ def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tm
     and draws the next, step_draws.py; the trainer keeps the informative groups as the colocated
     loop does), and the held-out evaluations: the rollout ranks', between weight pushes, give the
     numbers the colocated ones give (the same weights and seeds), at the start (step 0's row,
-    which comes once the rollout leader has scored it) and after the last step."""
+    which comes once the rollout leader has scored it) and after the last step. Both runs also
+    distill from a teacher (the model with its weights perturbed, on the trainer ranks only):
+    each trained batch, the final one after the rounds, is the same in both, its advantages GAE's
+    plus the distillation term (tests/distillation.py)."""
     colocated, disaggregated = tmp_path / "colocated", tmp_path / "disaggregated"
     one_rank = {**one_rank_env(), "OMP_NUM_THREADS": "1"}  # as torchrun sets it
     # The two runs at once: most of a 2-step run is start-up, and either one alone leaves a core idle.
     held_out = _held_out(tail_inputs, 8)
-    finish(start(SCRIPT, *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *DYNAMIC, *held_out),
+    teacher = teacher_args(perturbed_teacher(tail_inputs / "model", tmp_path / "teacher"), 0.5)
+    finish(start(WORKER, "--batches", str(colocated / "batches"),
+                 *_args(tail_inputs, colocated, "steps=2", *COLOCATED, *DYNAMIC, *held_out, *teacher),
                  timeout=900, env=one_rank),
-           start(SCRIPT, *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=2",
-                                "async.max_staleness=0", *DYNAMIC, *held_out), nproc=3, timeout=900))
+           start(WORKER, "--batches", str(disaggregated / "batches"),
+                 *_args(tail_inputs, disaggregated, "steps=2", "layout.rollout_world_size=2",
+                        "async.max_staleness=0", *DYNAMIC, *held_out, *teacher), nproc=3, timeout=900))
     sync, async_ = (sorted(_steps(d), key=lambda row: row["step"]) for d in (colocated, disaggregated))
     assert [s["step"] for s in sync] == [a["step"] for a in async_] == [0, 1, 2]
     for s, a in zip(sync, async_):
@@ -112,7 +126,14 @@ def test_staleness_zero_on_rollout_ranks_is_the_synchronous_loop(tail_inputs, tm
     for row in (async_[0], async_[2]):
         assert 0 <= row["eval/heldout/all/accuracy"] <= 1 and row["async/eval_restarts"] == 0
         assert 1 <= row["eval/heldout/all/response_len_mean"] <= 8
+    trained = [check_distilled(d, d / "batches", rows)
+               for d, rows in ((colocated, sync), (disaggregated, async_))]
+    for number, batch in trained[1].items():
+        assert batch.size == 8 * 4 and torch.equal(batch.advantages, trained[0][number].advantages)
+        assert torch.equal(batch.teacher_logprobs, trained[0][number].teacher_logprobs)
     sync, async_ = sync[1:], async_[1:]  # the steps'
+    # another model: the teacher disagrees with the student from the first step
+    assert all(a["distill/reverse_kl"] > 0.01 for a in async_), async_
     # the rounds ran (the 1-step model's rewards leave most groups uninformative), on both sides alike
     assert max(a["dynamic_sampling/rounds"] for a in async_) >= 2
     for a in async_:
@@ -141,9 +162,9 @@ def _check_bounds(steps, staleness: int) -> None:
 FAST_TRAINER = ("algo.advantage=grpo", "algo.kl_reward_coeff=0")
 
 
-def _torchrun(inputs, run_dir, *extra):
+def _torchrun(inputs, run_dir, *extra, script=(SCRIPT,)):
     """The run begun on 2 ranks (tests/launch.start); its CompletedProcess, whatever its exit code."""
-    return start(SCRIPT, *_args(inputs, run_dir, "layout.rollout_world_size=1", *FAST_TRAINER, *extra),
+    return start(*script, *_args(inputs, run_dir, "layout.rollout_world_size=1", *FAST_TRAINER, *extra),
                  nproc=2, timeout=900, check=False, env={"PYTHONPATH": ROOT})  # the reward above, in its pool
 
 
@@ -152,14 +173,17 @@ def staleness_runs(tail_models, tmp_path_factory):
     """Two runs started together (most of a run is start-up; one alone leaves a core idle):
     staleness 1 with partial rollouts continued, on the MoE model with the engine's routing
     returned (the trainer's routers route on their own, to be compared with it), whose engine is
-    killed with kill -9 once step 2 is logged; staleness 2 with partial rollouts restarted,
-    evaluating HELD_OUT prompts scored by slow_exact_match after steps 3 and 6. {name: (run dir,
-    output, return code)} and the killed engine's pid."""
+    killed with kill -9 once step 2 is logged, distilling from its own starting model on the
+    trainer (its trained batches saved: tests/workers/trained_batches.py); staleness 2 with partial
+    rollouts restarted, evaluating HELD_OUT prompts scored by slow_exact_match after steps 3 and 6.
+    {name: (run dir, output, return code)} and the killed engine's pid."""
     root = tmp_path_factory.mktemp("staleness_runs")
     killed, restarted = root / "killed", root / "restarted"
     tail_inputs = tail_models["qwen2"]
-    first = _torchrun(tail_models["qwen3_moe"], killed, "steps=6", "async.max_staleness=1",
-                      "generation.return_routing=true", "actor.router_replay=off")
+    moe = tail_models["qwen3_moe"]
+    first = _torchrun(moe, killed, "steps=6", "async.max_staleness=1", "generation.return_routing=true",
+                      "actor.router_replay=off", *teacher_args(moe / "model", 0.3),
+                      script=(WORKER, "--batches", str(killed / "batches")))
     second = _torchrun(tail_inputs, restarted, "steps=6", "async.max_staleness=2",
                        "async.partial_rollout=restart", "eval.at_start=false", "eval.every=3",
                        *_held_out(tail_inputs, 4, f"eval.sets.heldout.reward={SLOW_REWARD}"))
@@ -179,7 +203,10 @@ def staleness_runs(tail_models, tmp_path_factory):
 def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(staleness_runs):
     """kill -9 of the engine process once step 2 is logged: its supervisor starts a new one, the
     trainer pushes it the current weights, the lost steps are generated again, and the run ends
-    normally with the replacement counted (staleness 1, partial rollouts continued)."""
+    normally with the replacement counted (staleness 1, partial rollouts continued). It distills
+    too: on the trainer, from the step's samples, whatever versions sampled them, every step's
+    advantages are the reward's plus the term (tests/distillation.py), before and after the
+    replacement."""
     runs, engine = staleness_runs
     run_dir, output, code = runs["killed"]
     assert code == 0, output[-4000:]
@@ -191,6 +218,8 @@ def test_a_killed_rollout_engine_is_replaced_and_the_run_finishes(staleness_runs
     # The replacement got the current weights: after it, tokens of the trainer's own version
     # still get their log-probs back exactly (checked in _check_bounds) and some exist.
     assert any("async/mismatch_lag0_max" in s for s in steps[2:])
+    check_distilled(run_dir, run_dir / "batches", steps)
+    assert_teacher_is_the_start(steps)
 
 
 def test_streamed_routing_is_the_trainers_own_at_lag_zero(staleness_runs):
@@ -238,14 +267,21 @@ def test_a_lora_actor_pushes_its_adapters_alone_to_the_rollout_rank(tail_inputs,
     into its weights from the base it kept (rollout/vllm/merge.py). In both, after the first push
     (the base, once) the trainer sends the adapters alone over the bridge, as many bytes as the
     run's final PEFT folder holds; every step's tokens get back the engine's log-probs from the
-    trainer (< 1e-4), so the engine generates with what the actor trains."""
+    trainer (< 1e-4), so the engine generates with what the actor trains.
+    Both LoRA students distill (tests/distillation.py): the Qwen2 one from its base with the weights
+    perturbed, a teacher of its own and not the adapters' base (apart from step 1); the MoE one from
+    its own base checkpoint, which its adapters start at (B = 0: the teacher's log-probs at step 1)
+    and leave."""
     from safetensors.torch import load_file
 
-    runs = {"slots": (tail_inputs, tmp_path / "slots", ()),
-            "merged": (demo_inputs, tmp_path / "merged", ("generation.max_new_tokens=3",))}
-    finish(*(start(SCRIPT, *_args(inputs, run_dir, "steps=3", "layout.rollout_world_size=1",
-                                  "async.max_staleness=0", "actor.lora.rank=4", "actor.optim.lr=1e-3",
-                                  *FAST_TRAINER, *extra), nproc=2, timeout=900)
+    teacher = perturbed_teacher(tail_inputs / "model", tmp_path / "teacher")
+    runs = {"slots": (tail_inputs, tmp_path / "slots", teacher_args(teacher, 0.2)),
+            "merged": (demo_inputs, tmp_path / "merged",
+                       ("generation.max_new_tokens=3", *teacher_args(demo_inputs / "model", 0.2)))}
+    finish(*(start(WORKER, "--batches", str(run_dir / "batches"),
+                   *_args(inputs, run_dir, "steps=3", "layout.rollout_world_size=1", "async.max_staleness=0",
+                          "actor.lora.rank=4", "actor.optim.lr=1e-3", *FAST_TRAINER, *extra),
+                   nproc=2, timeout=900)
              for inputs, run_dir, extra in runs.values()))
     for name, (_, run_dir, _) in runs.items():
         steps = _steps(run_dir)
@@ -254,6 +290,10 @@ def test_a_lora_actor_pushes_its_adapters_alone_to_the_rollout_rank(tail_inputs,
         assert [s["sync/bytes_sent"] for s in steps[1:]] == [adapter_bytes] * 2, (name, steps)
         assert steps[0]["sync/bytes_sent"] > 20 * adapter_bytes, (name, steps)  # the base, once
         assert all(s["async/mismatch_lag0_max"] < 1e-4 for s in steps), (name, steps)
+        check_distilled(run_dir, run_dir / "batches", steps)
+    reverse_kl = {name: [s["distill/reverse_kl"] for s in _steps(runs[name][1])] for name in runs}
+    assert min(reverse_kl["slots"]) > 0.01, reverse_kl
+    assert abs(reverse_kl["merged"][0]) < 1e-6 < min(abs(v) for v in reverse_kl["merged"][1:]), reverse_kl
 
 
 def test_restarted_partial_rollouts_stay_within_staleness_two(staleness_runs):

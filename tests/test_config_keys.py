@@ -32,7 +32,7 @@ KEYS = [
     "algo.advantage", "algo.gamma", "algo.lam", "algo.eps", "algo.whiten_advantages", "algo.lone_groups",
     "algo.kl_reward_coeff", "algo.kl_estimator", "algo.kl_clamp", "algo.reward", "algo.reward_by_source",
     "algo.reward_workers", "algo.reward_timeout_s", "algo.overlong_buffer",
-    "algo.overlong_penalty", "algo.dynamic_sampling_rounds",
+    "algo.overlong_penalty", "algo.dynamic_sampling_rounds", "algo.distill.coeff",
     "actor.policy_loss", "actor.eps_clip_low", "actor.eps_clip_high", "actor.dual_clip", "actor.aggregation",
     "actor.norm_tokens", "actor.entropy_coeff", "actor.kl_loss_coeff", "actor.kl_estimator", "actor.kl_clamp",
     "actor.rollout_correction.preset", "actor.rollout_correction.weights", "actor.rollout_correction.cap",
@@ -64,6 +64,8 @@ KEYS = [
     "eval.sets", "eval.every", "eval.at_start", "eval.samples", "eval.temperature", "eval.top_p",
     "eval.max_prompts", "eval.pass_k", "eval.threshold", "eval.max_new_tokens",
     "logger.trackers", "logger.project", "logger.name", "logger.mlflow_uri",
+    "teacher.hf_dir", "teacher.url", "teacher.serve", "teacher.tp", "teacher.pp", "teacher.ep",
+    "teacher.dtype", "teacher.offload", "teacher.timeout_s",
 ]
 
 

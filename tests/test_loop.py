@@ -21,6 +21,7 @@ import pytest
 
 from megarl.parallel_state.megatron_groups import free_port
 from tests import tracker_files
+from tests.distillation import WORKER, assert_teacher_is_the_start, check_distilled, teacher_args
 from tests.launch import (
     ROOT,
     kill_tree,
@@ -195,14 +196,21 @@ def _check_multi_turn(steps):
 # actor's log-probs of multi-turn samples are checked against vLLM's at both.
 MULTI_TURN_AT = {"reinforce_plus_plus": ("layout.world_size=1",),
                  "grpo": ("layout.world_size=2", "layout.tp=2", "layout.rollout_tp=2")}
+# The multi-turn reinforce_plus_plus run also distills from the demo's own model (the student's
+# start) on the model's tokens alone; its trained batches are saved (tests/workers/trained_batches.py).
+DISTILLED = {"reinforce_plus_plus"}
 
 
 def _estimator_run(demo_inputs, run_dir, estimator):
     layout = MULTI_TURN_AT.get(estimator, ("layout.world_size=1",))
     multi_turn = MULTI_TURN if estimator in MULTI_TURN_AT else ()
     ranks = 2 if "layout.world_size=2" in layout else 1
-    run("scripts/train_ppo_moe.py", *_args(demo_inputs, run_dir, f"algo.advantage={estimator}", *layout,
-                                           "layout.ep=1", *multi_turn, *NO_CHECKPOINT),
+    script, distilled = ("scripts/train_ppo_moe.py",), ()
+    if estimator in DISTILLED:
+        script = (WORKER, "--batches", str(run_dir / "batches"))
+        distilled = teacher_args(demo_inputs / "model", 0.3)
+    run(*script, *_args(demo_inputs, run_dir, f"algo.advantage={estimator}", *layout, "layout.ep=1",
+                        *multi_turn, *NO_CHECKPOINT, *distilled),
         nproc=ranks, timeout=900, env={**(one_rank_env() if ranks == 1 else {}), "PYTHONPATH": ROOT})
     return run_dir
 
@@ -243,6 +251,10 @@ def test_every_estimator_runs_two_steps(request, one_rank_runs, demo_inputs, tmp
         _check_multi_turn(_steps(run_dir))
     else:
         _check_steps(_steps(run_dir), critic=False)
+    if estimator in DISTILLED:  # the inserted "Try again" turns get no term, though the teacher scores them
+        steps = _steps(run_dir)
+        check_distilled(run_dir, run_dir / "batches", steps, holes=True)
+        assert_teacher_is_the_start(steps)
 
 
 def _as_verl_parquet(jsonl, out):

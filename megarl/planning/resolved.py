@@ -89,7 +89,7 @@ def resolve(config: RunConfig, hf_config: Optional[dict] = None) -> ResolvedRun:
     if config.teacher.hf_dir:
         if not config.teacher.served:  # colocated: its layout, before its checkpoint is read
             layout = teacher_dims(config.teacher, dims.world_size)
-        teacher = teacher_arch(config.teacher, arch)
+        teacher = teacher_arch(config.teacher, arch, config.model.hf_dir)
         check_same_tokenizer(config.teacher.hf_dir, config.model.hf_dir)
     return ResolvedRun(config=config, hf_config=hf_config, arch=arch, dims=dims,
                        adapters=adapters, engine=engine_spec(config, arch, adapters),

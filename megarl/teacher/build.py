@@ -14,17 +14,18 @@ from megarl.teacher.config import TeacherConfig
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
-def teacher_arch(teacher: TeacherConfig, student: ModelArch) -> ModelArch:
+def teacher_arch(teacher: TeacherConfig, student: ModelArch, student_dir: str) -> ModelArch:
     """The teacher checkpoint's architecture in the teacher's dtype, refused (naming both) when its
-    vocabulary is not the student's: the teacher scores the student's token ids as they are."""
+    vocabulary is not the student's (checkpoint `student_dir`): the teacher scores the student's
+    token ids as they are."""
     if not os.path.isdir(teacher.hf_dir):
         raise ValueError(f"teacher.hf_dir={teacher.hf_dir!r} is not a folder: give the teacher's HF "
                          "checkpoint folder (config.json and safetensors)")
     arch = arch_from_hf_config(load_hf_config(teacher.hf_dir))
     if arch.vocab_size != student.vocab_size:
         raise ValueError(f"the teacher's vocabulary ({teacher.hf_dir!r}: vocab_size {arch.vocab_size}) is "
-                         f"not the student's (vocab_size {student.vocab_size}): a teacher must share the "
-                         "student's tokenizer and vocabulary")
+                         f"not the student's ({student_dir!r}: vocab_size {student.vocab_size}): a "
+                         "teacher must share the student's tokenizer and vocabulary")
     return replace(arch, dtype=teacher.dtype) if teacher.dtype != "auto" else arch
 
 

@@ -5,14 +5,16 @@ chunks of 1 and 5 tokens (a last chunk shorter than the rest) and whole; a vocab
 padding leaves the last shard a few real columns, and one that leaves it none; with and without the
 entropy's gradient. bf16 logits against the fp64 reference's gradient rounded to bf16. Each rank
 compares its own shard's gradient; rank 0 prints one JSON object with the worst errors over all
-ranks and cases, per kernel."""
+ranks and cases, per kernel. Also the teacher's top-1 match from the shards against torch.argmax
+on the full logits' real columns (fp64 and bf16), half the targets the argmax: how many disagree
+and how many match."""
 
 import json
 
 import torch
 import torch.distributed as dist
 
-from megarl.algos.vocab_parallel import KERNELS, logprobs_and_entropy
+from megarl.algos.vocab_parallel import KERNELS, logprobs_and_entropy, top1_match
 
 N, SHARD = 24, 8  # padded vocab = SHARD * tp; ids >= the vocabulary are output-layer padding
 VOCABS = (13, 6)  # at tp 2: the last shard holds 5 real columns, then none
@@ -45,6 +47,19 @@ def errors(full, targets, weights, vocab, group, kernels, chunk_tokens, entropy_
             (shard.grad.double() - expected.double()).abs().max().item()]
 
 
+def top1_counts(full, targets, vocab, group, dtype):
+    """(targets where the shards' top-1 match disagrees with the full argmax, targets that match).
+    A target tied with the argmax (bf16 rounding) is a match too."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    width = full.shape[1] // tp
+    logits = full.to(dtype)
+    real = logits[:, :vocab].float()
+    tied = real.gather(-1, targets[:, None]).squeeze(-1) == real.amax(-1)
+    expected = (real.argmax(-1) == targets) | tied
+    got = top1_match(logits[:, rank * width:(rank + 1) * width], targets, group, vocab)
+    return int((got != expected).sum()), int(got.sum())
+
+
 def main():
     dist.init_process_group("gloo")
     rank, tp = dist.get_rank(), dist.get_world_size()
@@ -52,11 +67,17 @@ def main():
     g = torch.Generator().manual_seed(0)
     full = torch.randn(N, SHARD * tp, generator=g, dtype=torch.float64) * 6
     weights = torch.randn(2, N, generator=g, dtype=torch.float64)
-    worst = {}
+    worst, top1 = {}, {"wrong": 0, "matched": 0}
     for vocab in VOCABS:
         logits = full.clone()
         logits[:, vocab:] = 60.0  # would dominate the softmax and the max shift if not masked
         targets = torch.arange(N) * 5 % vocab  # ids on every shard that holds real columns
+        argmax = logits[:, :vocab].argmax(-1)
+        for dtype in (torch.float64, torch.bfloat16):
+            wrong, matched = top1_counts(logits, torch.where(torch.arange(N) % 2 == 0, argmax, targets),
+                                         vocab, group, dtype)
+            top1["wrong"] += wrong
+            top1["matched"] += matched
         for name in KERNELS:
             for chunk_tokens in ((N, 1, 5) if name == "eager" else (N,)):
                 for entropy_grad in (True, False):
@@ -76,6 +97,7 @@ def main():
     dist.all_reduce(here, op=dist.ReduceOp.MIN, group=group)
     if rank == 0:
         print(json.dumps({"tp": tp, "vocabs": VOCABS, "fewest_targets_on_a_shard": here.item(),
+                          "top1_wrong": top1["wrong"], "top1_matched": top1["matched"],
                           **{k: dict(zip(("logprob_err", "entropy_err", "grad_err"), row.tolist()))
                              for k, row in zip(keys, stats)}}))
     dist.destroy_process_group()
