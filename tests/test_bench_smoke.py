@@ -20,8 +20,8 @@ def _lines_of(proc) -> list:
     return lines
 
 
-def _json_lines(*args, timeout: int = 600) -> list:
-    return _lines_of(run(*args, timeout=timeout))
+def _json_lines(*args, timeout: int = 600, check: bool = True) -> list:
+    return _lines_of(run(*args, timeout=timeout, check=check))
 
 
 def _by_case(lines: list, key: str = "case") -> dict:
@@ -74,31 +74,46 @@ def test_every_bench_make_bench_runs_is_smoked_here():
     assert set(re.findall(r"bench/(bench_\w+)\.py", target)) == SMOKED
 
 
-def test_bench_sync(tmp_path):
-    case = "qwen3-20m-float32-w2-tp2-rtp2"  # 2 ranks, the smallest model, the log-prob check on
-    lines = _json_lines("bench/bench_sync.py", "--quick", "--only", case, "--repeats", "1",
-                        "--out", str(tmp_path))
-    result, summary = lines
-    assert result["case"] == case and "error" not in result, result
+# The bench_sync cases smoked here, both on the smallest model at 2 ranks: run by one launch, which
+# makes the model's random checkpoint once (~4 s of a core) for both.
+SYNC_CASES = {"test_bench_sync": "qwen3-20m-float32-w2-tp2-rtp2",  # the log-prob check on
+              "test_bench_sync_lora": "qwen3-20m-float32-w2-tp2-lora16-rtp2"}
+
+
+@pytest.fixture(scope="module")
+def bench_sync(request, tmp_path_factory):
+    """({case: its JSON line}, the summary line) of one bench_sync.py launch running the selected
+    tests' SYNC_CASES in turn (each case is a torchrun of its own: a failed case fails its test)."""
+    cases = [SYNC_CASES[item.name] for item in request.session.items
+             if item.module is request.module and item.name in SYNC_CASES]
+    *results, summary = _json_lines("bench/bench_sync.py", "--quick", "--only", *cases, "--repeats", "1",
+                                    "--out", str(tmp_path_factory.mktemp("bench_sync")), check=False)
+    assert summary.get("summary") and summary["cases"] == len(cases), summary
+    return _by_case(results), summary
+
+
+def test_bench_sync(bench_sync):
+    case, (results, summary) = SYNC_CASES["test_bench_sync"], bench_sync
+    result = results[case]
+    assert "error" not in result, result
     assert result["sync_seconds"] > 0 and result["naive_seconds"] > 0, result
     # The actor was perturbed after the first sync: only the second, on the first's plan, matches.
     assert result["plans_built"] == 1 and result["max_abs_logprob_diff"] <= 1e-4, result
-    assert summary["summary"] and summary["cases"] == 1 and summary["failed"] == [], summary
+    assert case not in summary["failed"], summary
 
 
-def test_bench_sync_lora(tmp_path):
+def test_bench_sync_lora(bench_sync):
     """The LoRA case: after the base is written, the adapters alone into vLLM's slots, against the
     full merged sync: each rank takes in the adapters' bytes (a few % of its shard's) and the
     engine then matches the adapted actor."""
-    case = "qwen3-20m-float32-w2-tp2-lora16-rtp2"
-    result, summary = _json_lines("bench/bench_sync.py", "--quick", "--only", case, "--repeats", "1",
-                                  "--out", str(tmp_path))
-    assert result["case"] == case and "error" not in result and result["slots"], result
+    case, (results, summary) = SYNC_CASES["test_bench_sync_lora"], bench_sync
+    result = results[case]
+    assert "error" not in result and result["slots"], result
     assert result["adapter_bytes_per_rank"] == result["adapter_bytes"] > 0, result
     assert result["full_bytes_per_rank"] == result["model_bytes"] // 2, result  # TP2: half each
     assert result["bytes_ratio"] < 0.05 and result["adapter_sync_seconds"] > 0, result
     assert result["max_abs_logprob_diff"] <= 1e-4, result
-    assert summary["failed"] == [] and case in summary["lora_adapter_sync"], summary
+    assert case not in summary["failed"] and case in summary["lora_adapter_sync"], summary
 
 
 def test_bench_sync_plan(one_process):

@@ -54,6 +54,13 @@ def preload() -> None:
     if current_platform.is_cpu():  # its modules patch torch.cuda for the CPU
         import vllm.v1.worker.cpu_worker  # noqa: F401
 
+    # Every training run ends drawing its curves (megarl/trainer/plots.py, which picks Agg itself):
+    # pyplot's import was ~0.9 s of a core in each, after the imports above. It starts no thread.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
 
 def serve(path: str):
     """Accept launches until killed; returns only in a launcher's process: (connection, request)."""
