@@ -104,7 +104,8 @@ def check_preset(config: RunConfig, arch=None) -> ParallelDims:
 # The CPU demos and the task scripts/prepare_demo.py makes their inputs for (--task; the model is
 # its default, the demo's tiny Qwen3-MoE).
 DEMOS = {"demo_cpu.yaml": "addition", "demo_async_cpu.yaml": "addition", "demo_lora_cpu.yaml": "addition",
-         "demo_tools_cpu.yaml": "tools", "demo_tools_async_cpu.yaml": "tools"}
+         "demo_tools_cpu.yaml": "tools", "demo_tools_async_cpu.yaml": "tools",
+         "demo_distill_cpu.yaml": "addition"}
 # Found by listing the folder, not by name: a config added to configs/ is preflighted here, or
 # fails here until it is.
 CONFIG_FILES = sorted(os.path.basename(path) for path in glob.glob(os.path.join(CONFIGS, "*.yaml")))
@@ -119,9 +120,20 @@ def check_demo(name: str, tmp_path) -> ParallelDims:
     assert given.data.path == os.path.join(inputs, "train.jsonl"), given.data
     assert given.model.megatron_dir in (None, os.path.join(inputs, "megatron")), given.model
     # as scripts/prepare_demo.py --task TASK --hf-only writes them, less the warm start
-    write_task_inputs(str(tmp_path), DEMOS[name], prompts=200, max_operand=4, seed=0, model="qwen3_moe")
+    write_task_inputs(str(tmp_path), DEMOS[name], prompts=200, max_operand=4, seed=0, model="qwen3_moe",
+                      heldout=4 if DEMOS[name] == "addition" else 0)
+    # Other inputs the file names: the distillation demo's teacher (prepare_demo.py --teacher-steps:
+    # OUT/teacher, the same model warm-started longer; the student's own checkpoint stands for it)
+    # and a held-out set (the other demos get theirs on make demo's command line).
+    named = []
+    if given.teacher.hf_dir:
+        assert given.teacher.hf_dir == os.path.join(inputs, "teacher"), given.teacher
+        named.append(f"teacher.hf_dir={tmp_path / 'model'}")
+    named += [f"eval.sets.{held_out}.path={tmp_path / 'heldout.jsonl'}"
+              for held_out, spec in given.eval.sets.items()
+              if spec.path == os.path.join(inputs, "heldout.jsonl")]
     config = load(RunConfig, path, [f"model.hf_dir={tmp_path / 'model'}",
-                                    f"data.path={tmp_path / 'train.jsonl'}"])
+                                    f"data.path={tmp_path / 'train.jsonl'}", *named])
     # The CPU path whatever machine runs this: the demo models are fp32, which Transformer Engine
     # refuses on packed sequences (test_fp32_models_are_refused_on_transformer_engine_only).
     with mock.patch.object(device_choice, "on_gpu", lambda: False), \
