@@ -128,6 +128,10 @@ def setup(resolved: ResolvedRun, resume: Optional[str],
         with open(os.path.join(config.run_dir, "config.json"), "w") as f:
             json.dump(asdict(config), f, indent=2)
 
+    # Before the actor: a served teacher's checks (it answers, with the student's vocabulary) then
+    # refuse a bad one in seconds, not after a giant actor has loaded; a colocated one is parked
+    # on the host once loaded.
+    teacher = build_teacher(resolved, **config.model.transformer_overrides())
     actor_chunks = build_model(arch, dims, perform_initialization=False, recompute=config.actor.recompute,
                                **config.model.transformer_overrides())
     _load(actor_chunks, arch, config, "policy")
@@ -153,7 +157,6 @@ def setup(resolved: ResolvedRun, resume: Optional[str],
 
     source = start.source(sampler, scorer_of(algo.reward_table), scorer_of, actor.state,
                           [critic.state] if critic is not None else [])
-    teacher = build_teacher(resolved, **config.model.transformer_overrides())
     run = Run(resolved, actor, critic, source, sampler, flops.device_name(), teacher)
     done = checkpoint.load(run, resume_from) if resume_from else 0
     source.push_weights(actor_chunks, arch, version=done)
