@@ -12,7 +12,6 @@ prompt's chat messages and the decoded response rendered by its own chat templat
 re-renders for a reward model of another family). Held in memory for the whole run, forward only.
 """
 
-import os
 from functools import partial
 from typing import List
 
@@ -25,14 +24,13 @@ from megarl.actor.schedule import forward_only_result, full_pack, run_micro_batc
 from megarl.batch.rollout_batch import RolloutBatch
 from megarl.models.hf.config import load_hf_config, reward_model_arch
 from megarl.models.hf.safetensors_reader import SafetensorsReader
+from megarl.models.hf.tokenizer_files import has_tokenizer
 from megarl.models.hf.weights_io import load_hf_weights
 from megarl.models.megatron.builder import build_model
 from megarl.models.weights import tables as weight_tables
 from megarl.parallel_state import megatron_groups
 from megarl.parallel_state.dims import ParallelDims
 from megarl.rewards.functions import Request
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def _same_tokenizer(mine, policy) -> bool:
@@ -61,7 +59,7 @@ class RewardModel:
         for chunk in self.chunks:
             chunk.eval()
         self.tokenizer = None  # the policy's: its token ids are read as they are
-        if any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        if has_tokenizer(path):
             own = transformers.AutoTokenizer.from_pretrained(path)
             if policy_tokenizer is None or not _same_tokenizer(own, policy_tokenizer):
                 self.tokenizer = own

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from megarl.models.hf.config import load_hf_config
+from megarl.models.hf.tokenizer_files import TOKENIZER_FILES, has_tokenizer
 from megarl.models.weights.checkpoint import ASSETS_DIR, MODEL_FILE, read_model_file
 
 HF, MEGATRON = "hf", "megatron"
 # A folder with one of these holds a tokenizer AutoTokenizer loads.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _WEIGHTS = (".safetensors", ".bin")
 _ACCEPTED = ("an HF checkpoint (config.json and *.safetensors: a run's RUN/hf among them) or a megarl "
              "Megatron checkpoint (RUN/checkpoints/step_NNNNNN, or scripts/convert.py hf-to-megatron's "
@@ -62,7 +62,7 @@ def tokenizer_dir(source: ModelSource, fallbacks: Sequence[Optional[str]]) -> st
     """The model's own tokenizer folder, else the first of `fallbacks` (None: not given) that holds
     one; refused, naming the fix, where none does."""
     for where in (source.tokenizer_home, *(f for f in fallbacks if f)):
-        if os.path.isdir(where) and any(os.path.isfile(os.path.join(where, n)) for n in TOKENIZER_FILES):
+        if has_tokenizer(where):
             return where
     tried = [source.tokenizer_home, *(f for f in fallbacks if f)]
     raise FileNotFoundError(f"no tokenizer for --model {source.path!r}: none of {tried} holds "

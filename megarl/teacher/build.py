@@ -8,10 +8,9 @@ from dataclasses import replace
 from typing import Optional
 
 from megarl.models.hf.config import ModelArch, arch_from_hf_config, load_hf_config
+from megarl.models.hf.tokenizer_files import has_tokenizer
 from megarl.parallel_state.dims import ParallelDims
 from megarl.teacher.config import TeacherConfig
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 def teacher_arch(teacher: TeacherConfig, student: ModelArch, student_dir: str) -> ModelArch:
@@ -44,7 +43,7 @@ def check_same_tokenizer(teacher_dir: str, student_dir: str) -> None:
     """Refuse a teacher whose tokenizer maps any token differently from the student's (the same
     vocab_size is not enough: the ids would mean other text). A teacher folder without tokenizer
     files is taken to share the student's."""
-    if not any(os.path.isfile(os.path.join(teacher_dir, name)) for name in TOKENIZER_FILES):
+    if not has_tokenizer(teacher_dir):
         return
     import transformers
 
