@@ -74,6 +74,21 @@ def agree_on_layer_spec(say: Callable[[str], None] = print) -> None:
             say(line)
 
 
+def _create_groups(dims: ParallelDims, timeout_s: float) -> None:
+    """Megatron's groups for `dims`, made current (collective over the world)."""
+    _mpu().initialize_model_parallel(
+        **dims.megatron_sizes(),
+        distributed_timeout_minutes=timeout_s / 60,  # Megatron makes a timedelta of it: no rounding
+        # Megatron's gloo copies of its data-parallel groups serve only its distributed
+        # optimizer's own checkpoint formats (the parameter state gathered over them); megarl
+        # saves each rank's optimizer state itself (trainer/checkpoint.py) and builds the
+        # optimizer without them (use_gloo_process_groups=False). On GPUs they would be unused
+        # groups, each one more gloo mesh that must find a routable interface on a multi-node job
+        # (GLOO_SOCKET_IFNAME). On the CPU the groups themselves are gloo.
+        create_gloo_process_groups=False,
+    )
+
+
 def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -> None:
     """Create Megatron-Core's groups for `dims` on the current world and seed every RNG."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -90,17 +105,7 @@ def initialize(dims: ParallelDims, seed: int = 1234, timeout_s: float = 600.0) -
     mpu = _mpu()
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(
-        **dims.megatron_sizes(),
-        distributed_timeout_minutes=timeout_s / 60,  # Megatron makes a timedelta of it: no rounding
-        # Megatron's gloo copies of its data-parallel groups serve only its distributed
-        # optimizer's own checkpoint formats (the parameter state gathered over them); megarl
-        # saves each rank's optimizer state itself (trainer/checkpoint.py) and builds the
-        # optimizer without them (use_gloo_process_groups=False). On GPUs they would be unused
-        # groups, each one more gloo mesh that must find a routable interface on a multi-node job
-        # (GLOO_SOCKET_IFNAME). On the CPU the groups themselves are gloo.
-        create_gloo_process_groups=False,
-    )
+    _create_groups(dims, timeout_s)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
@@ -137,8 +142,7 @@ def create_layout(dims: ParallelDims, timeout_s: float = 600.0) -> Layout:
     try:
         # initialize_model_parallel refuses groups already set: start from its module's defaults
         _set_state({name: {} if isinstance(value, dict) else None for name, value in current.items()})
-        _mpu().initialize_model_parallel(**dims.megatron_sizes(), distributed_timeout_minutes=timeout_s / 60,
-                                         create_gloo_process_groups=False)  # as initialize(): none used
+        _create_groups(dims, timeout_s)
         return Layout(dims, _state())
     finally:
         _set_state(current)
