@@ -33,9 +33,9 @@ from safetensors.torch import save_file
 from megarl.models.hf import fp8_blocks
 from megarl.models.hf.config import ModelArch
 from megarl.models.hf.fused_experts import export_config, fuse
+from megarl.models.hf.tokenizer_files import TOKENIZER_ASSETS
 from megarl.models.weights import mtp as mtp_weights
 from megarl.models.weights import tables as weight_tables
-from megarl.models.weights.checkpoint import TOKENIZER_FILES
 from megarl.parallel_state.links import Links, WorldLinks
 from megarl.resharding.sync import sync_weights
 from megarl.rollout.engine import WeightLayout, WeightUpdateReport
@@ -114,7 +114,7 @@ class HFDirectoryWriter:
                       else export_config(self.hf_config, mxfp4=False))
             with open(os.path.join(self.partial, "config.json"), "w") as f:
                 json.dump(config, f, indent=2)
-            for name in TOKENIZER_FILES:
+            for name in TOKENIZER_ASSETS:
                 if os.path.isfile(os.path.join(self.assets_dir, name)):
                     shutil.copy2(os.path.join(self.assets_dir, name), self.partial)
             shutil.rmtree(self.out_dir, ignore_errors=True)

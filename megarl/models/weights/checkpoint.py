@@ -18,13 +18,11 @@ from megatron.core.dist_checkpointing.dict_utils import extract_matching_values,
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
+from megarl.models.hf.tokenizer_files import TOKENIZER_ASSETS
 from megarl.models.megatron.param_layout import is_adapter
 
 MODEL_FILE = "megarl_model.json"
 ASSETS_DIR = "hf_assets"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                   "special_tokens_map.json", "vocab.json", "merges.txt", "generation_config.json",
-                   "chat_template.jinja")
 
 
 def _sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict:
@@ -46,7 +44,7 @@ def save(chunks: List[torch.nn.Module], out_dir: str, hf_config: Dict, hf_dir: s
         if hf_dir:
             assets = os.path.join(out_dir, ASSETS_DIR)
             os.makedirs(assets, exist_ok=True)
-            for name in TOKENIZER_FILES:
+            for name in TOKENIZER_ASSETS:
                 if os.path.isfile(os.path.join(hf_dir, name)):
                     shutil.copy2(os.path.join(hf_dir, name), assets)
     dist.barrier()

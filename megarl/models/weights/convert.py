@@ -19,6 +19,7 @@ from megarl.models.hf import fp8_blocks
 from megarl.models.hf.config import arch_from_hf_config, load_hf_config
 from megarl.models.hf.fused_experts import export_config, fuse
 from megarl.models.hf.safetensors_reader import SafetensorsReader
+from megarl.models.hf.tokenizer_files import TOKENIZER_ASSETS
 from megarl.models.hf.weights_io import load_hf_weights, local_hf_tensors
 from megarl.models.megatron.builder import build_model
 from megarl.models.weights import checkpoint
@@ -136,7 +137,7 @@ def megatron_to_hf(megatron_dir: str, out_dir: str, experts: str = "unquantized"
             json.dump(hf_config, f, indent=2)
         if os.path.isdir(assets):
             for name in os.listdir(assets):
-                if name in checkpoint.TOKENIZER_FILES:
+                if name in TOKENIZER_ASSETS:
                     shutil.copy2(os.path.join(assets, name), partial)
     _finish(partial, out_dir)
     return {"out": out_dir, "family": arch.family, "layout": dims.describe(), "notes": _from_rank0(notes)}
