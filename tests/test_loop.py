@@ -771,11 +771,16 @@ def test_a_dense_lora_run_syncs_the_adapters_alone(one_rank_runs):
 
 
 def _deepseek_v3_demo_run(root, model="deepseek_v3", dtype="float32"):
+    """prepare_demo.py's tiny `model`, then 20 steps. The actor loads the HF weights itself
+    (--hf-only, model.megatron_dir=null): the same numbers as from the converted checkpoint (every
+    metric but the timings equal over 3 steps of gpt_oss), without the converter's fresh
+    interpreter, ~12 s of a core."""
     inputs, run_dir = root / "inputs", root / "run"
     run("scripts/prepare_demo.py", "--out", str(inputs), "--prompts", "200", "--model", model,
-        "--max-operand", "4", "--heldout", "0", "--sft-steps", "8", "--dtype", dtype)
+        "--max-operand", "4", "--heldout", "0", "--sft-steps", "8", "--dtype", dtype, "--hf-only")
     run("scripts/train_ppo_moe.py", *_args(inputs, run_dir, "steps=20", "layout.world_size=1",
-                                           "layout.ep=1", "data.prompts_per_step=16", *NO_CHECKPOINT),
+                                           "layout.ep=1", "data.prompts_per_step=16", *NO_CHECKPOINT,
+                                           "model.megatron_dir=null"),
         nproc=1, timeout=900, env=one_rank_env())
     return run_dir
 
@@ -813,7 +818,7 @@ def test_gpt_oss_demo_reward_rises(one_rank_runs):
     +0.341, +0.250, +0.244) with the actor's KL to the reference 0.177, 0.203, 0.236 over the last
     5, and vLLM's sampled-token log-probs stayed within 6.0e-6, 9.5e-6, 8.6e-6 of the actor's at
     every step (docs/PERFORMANCE.md, "Learning checks of the tiny gpt-oss and Qwen3-Next"; ~1.2 s
-    a step, prepare ~35 s). The rise bar is DeepSeek-V3's above (a frozen policy's reward can rise
+    a step, prepare ~12 s). The rise bar is DeepSeek-V3's above (a frozen policy's reward can rise
     by chance); the KL bar half the worst seed's."""
     steps = _steps(one_rank_runs["test_gpt_oss_demo_reward_rises"].result())
     assert_learned(steps, 20, last=5, min_rise=0.05, min_kl=0.08)
@@ -831,7 +836,7 @@ def test_qwen3_next_demo_reward_rises(one_rank_runs):
     KL 0.78 (docs/PERFORMANCE.md, "Learning checks of the tiny gpt-oss and Qwen3-Next"). So the
     rise bar is DeepSeek-V3's, the KL bar half the worst seed's. vLLM's sampled-token log-probs,
     bf16 against the bf16 actor, stayed within 0.08-0.18 of the actor's (IcePop masked none);
-    ~3.1 s a step here, prepare ~35 s."""
+    ~3.1 s a step here, prepare ~12 s."""
     steps = _steps(one_rank_runs["test_qwen3_next_demo_reward_rises"].result())
     assert_learned(steps, 20, last=5, min_rise=0.05, min_kl=0.03)
     # bf16 kernels on both sides: rounding, far inside IcePop's band (a ratio of 0.5: 0.69)
