@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="vLLM's gpu_memory_utilization (generation.gpu_memory_utilization)")
     parser.add_argument("--rollout-quantization", choices=("none", "fp8"), default="none",
                         help="fp8: block-FP8 engine weights (rollout.quantization)")
+    parser.add_argument("--no-router-fp32", action="store_true",
+                        help="MoE gates in the model's dtype in the engine (default fp32: model.router_fp32)")
     parser.add_argument("--critic", action="store_true", help="a critic of the same shape (PPO with GAE)")
     parser.add_argument("--offload-params", action="store_true",
                         help="training parameters off the GPU while vLLM generates")
@@ -119,7 +121,7 @@ def _from_flags(args, arch) -> mp.MemoryRequest:
         transformer_engine=args.transformer_engine == "true", adam=args.adam,
         engine_fraction=args.engine_fraction, bucket_bytes=args.bucket_mb * 2**20,
         export_hf=not args.no_export, runtime_bytes=args.reserve_gb * mp.GB,
-        quantization=args.rollout_quantization)
+        quantization=args.rollout_quantization, router_fp32=not args.no_router_fp32)
 
 
 def _from_run(args, hf_config: dict) -> mp.MemoryRequest:

@@ -100,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollout-quantization", choices=("none", "fp8"), default="none",
                         help="fp8: block-FP8 engines (rollout.quantization): report each engine rank's "
                              "FP8 bytes (key 'fp8'); a layout whose slices are not whole blocks is refused")
+    parser.add_argument("--no-router-fp32", action="store_true",
+                        help="MoE gates in the model's dtype in engines (default fp32, model.router_fp32)")
     parser.add_argument("--all-engines", action="store_true", help="plan every engine, however many")
     parser.add_argument("--show", type=int, default=8, help="ranks listed when there are more than 16")
     parser.add_argument("--lora", default=None, metavar="rank=R[,alpha=A][,targets=K+K]",
@@ -186,7 +188,7 @@ def build(args: argparse.Namespace) -> Tuple[cp.ClusterPlan, str]:
     links, how = links_of(args, None if args.gpu else gpu_kinds.visible_device())
     return cp.plan_cluster(arch, dims, rollout, args.gpus_per_node, int(args.bucket_mb * 2**20), links,
                            max_regions=10**18 if args.all_engines else args.max_regions,
-                           quantization=args.rollout_quantization), how
+                           quantization=args.rollout_quantization, router_fp32=not args.no_router_fp32), how
 
 
 def _table(result: cp.ClusterPlan, show: int) -> None:

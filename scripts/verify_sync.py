@@ -168,6 +168,10 @@ def main():
               "max_abs_logprob_diff_before_sync": before,
               "params_synced": report.params_synced, "params_expected": report.params_expected,
               "buckets": report.buckets, "sync_seconds": report.sync_seconds,
+              # per rank: engine tensors in fp32 that the planners count in the model's dtype, or
+              # the other way round (expected: none)
+              "engine_fp32_mismatches": [
+                  r["m"] for r in _per_rank({"m": verify.fp32_mismatches(engine, arch)}, world)],
               "model_bytes": report.model_bytes, "samples": len(samples),
               # per rank, in rank order
               **{key: [r[key] for r in ranks] for key in (

@@ -318,7 +318,7 @@ def test_preflight_refuses_a_run_that_does_not_fit(tmp_path):
         check_preset(config, arch)
     (tmp_path / "engine").mkdir()
     config, arch = load_preset(QWEN, tmp_path / "engine", "generation.gpu_memory_utilization=0.15")
-    with pytest.raises(ValueError, match=r"holds its 15.285 GB of weights with no room for a KV cache"):
+    with pytest.raises(ValueError, match=r"holds its 15.31 GB of weights with no room for a KV cache"):
         check_preset(config, arch)
 
 

@@ -288,6 +288,8 @@ def test_hybrid_sync_adds_nothing_to_the_engine(case, hybrid_runs):
     result, synced, fresh = hybrid_runs[case].result()
     assert result["params_synced"] == result["params_expected"] > 0, result
     assert result["max_abs_logprob_diff"] <= 1.0, result  # bf16 vLLM vs the bf16 actor, reported
+    # the bf16 engine's fp32 tensors (gates, A_log) are those the planners count in fp32
+    assert all(not names for names in result["engine_fp32_mismatches"]), result
 
     def by_prompt(records):
         return {(tuple(r["prompt_ids"]), r["prompt_index"], tuple(r["response_ids"])): r["logprobs"]

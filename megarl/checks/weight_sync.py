@@ -120,6 +120,21 @@ def streamed_across_push(engine, prompts: List[List[int]], sampling: SamplingCon
     return all_samples(completion.finished(driver, 0)), driver.interrupted
 
 
+def fp32_mismatches(engine, arch: ModelArch) -> List[str]:
+    """This rank's engine tensors whose dtype the sync and memory planners get wrong: held in fp32
+    by the engine but counted in the model's dtype, or the other way round
+    (models/weights/engine_fp32.py); [] in an fp32 model, where every tensor is fp32."""
+    from megarl.resharding.sync import layout_tensors
+
+    if arch.dtype == "float32":
+        return []
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tensors = layout_tensors(arch, engine.weight_layout())[0].get(rank, ())
+    live = engine.live_weights()
+    return sorted(t.name for t in tensors
+                  if t.name in live and (live[t.name].dtype == torch.float32) != t.fp32)
+
+
 def export_synced(chunks: List[torch.nn.Module], arch: ModelArch, hf_dir: str,
                   samples: List[RolloutSample], out_dir: str) -> None:
     """Collective: OUT/hf, the model the engine was synced to (HF format), and OUT/samples.json

@@ -64,7 +64,7 @@ from megarl.models.megatron.config import NO_RECOMPUTE, RecomputeConfig, padded_
 from megarl.models.memory.activations import layer_elements, stage_bytes_per_token
 from megarl.models.memory.activations_hybrid import recurrent_state_bytes
 from megarl.models.memory.held_params import HeldParams, held_params
-from megarl.models.weights import fp8_layout
+from megarl.models.weights import engine_fp32, fp8_layout
 from megarl.models.weights.destination import RolloutLayout, hf_tensors, vllm_rank_tensors
 from megarl.parallel_state.dims import ParallelDims
 from megarl.planning.resolved import ResolvedRun
@@ -131,6 +131,7 @@ class MemoryRequest:
     actor_lora: Optional[LoraConfig] = None  # the actor trains these adapters alone (base frozen)
     quantization: str = "none"  # rollout.quantization: "fp8" engines hold block-FP8 linear weights
     teacher: Optional[TeacherModel] = None  # a colocated distillation teacher
+    router_fp32: bool = True  # model.router_fp32: the engine's MoE gates in fp32 (engine_fp32)
 
     def __post_init__(self):
         if self.adam is not None and self.adam not in ADAM_KINDS:
@@ -220,7 +221,8 @@ def _activations(request: MemoryRequest, model: TrainedModel, stage: int, logits
 def _engine_tensors(request: MemoryRequest):
     """One engine rank's tensors (the sync's destination layout; an engine's ranks hold equal
     shares: check_rollout refuses uneven splits)."""
-    return vllm_rank_tensors(request.arch, request.rollout, 0)
+    return engine_fp32.fp32_layout(request.arch, {0: vllm_rank_tensors(request.arch, request.rollout, 0)},
+                                   request.router_fp32)[0]
 
 
 def phase_peaks(request: MemoryRequest, t: Dict[str, float]) -> Dict[str, float]:
@@ -275,7 +277,8 @@ def plan_memory(request: MemoryRequest) -> List[StagePlan]:
     # an FP8 engine's quantized weights: 1 byte each plus an fp32 scale per 128x128 block
     fp8 = request.quantization == "fp8"
     kept = set(fp8_layout.kept_in_bf16(arch, request.rollout)) if fp8 else set()
-    engine_weights = sum(fp8_layout.engine_bytes(t.name, t.shape, itemsize, fp8, kept) for t in tensors)
+    engine_weights = sum(fp8_layout.engine_bytes(t.name, t.shape, 4 if t.fp32 else itemsize, fp8, kept)
+                         for t in tensors)
     if not request.colocated:
         engine = 0.0
     elif request.gpu:
@@ -486,6 +489,7 @@ def request_for_run(run: ResolvedRun, device_bytes: float, gpu: bool, runtime_by
         bucket_bytes=layout.sync_bucket_mb * 2**20, export_hf=config.checkpoint.export_hf,
         reward_models=reward_models, runtime_bytes=runtime_bytes, colocated=not layout.disaggregated,
         actor_lora=run.adapters, quantization=config.rollout.quantization,
+        router_fp32=config.model.router_fp32,
         teacher=_teacher(run, sequences, longest))
 
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
 from megarl.models.hf.config import DTYPES, ModelArch, arch_from_hf_config
-from megarl.models.weights import fp8_layout
+from megarl.models.weights import engine_fp32, fp8_layout
 from megarl.models.weights.destination import RolloutLayout, check_rollout, vllm_layout
 from megarl.parallel_state.dims import ParallelDims
 from megarl.resharding import gpu_kinds, metadata
@@ -474,18 +474,20 @@ class ClusterPlan:
 
 def plan_cluster(arch: ModelArch, dims: ParallelDims, rollout: RolloutLayout, gpus_per_node: int,
                  bucket_bytes: int, links: Links = DEFAULT_LINKS, max_regions: int = MAX_REGIONS,
-                 engines: Optional[List[int]] = None, quantization: str = "none") -> ClusterPlan:
+                 engines: Optional[List[int]] = None, quantization: str = "none",
+                 router_fp32: bool = True) -> ClusterPlan:
     """Plan the sync of `arch` from training layout `dims` into engines `rollout` on nodes of
     `gpus_per_node` consecutive ranks. `engines`: which engines to plan (default: all, or one
     per distinct placement when that would exceed `max_regions` regions); `quantization` "fp8":
-    block-FP8 engines (rollout.quantization), a layout whose slices are not whole blocks refused."""
+    block-FP8 engines (rollout.quantization), a layout whose slices are not whole blocks refused;
+    `router_fp32`: the engines hold their MoE gates in fp32 (model.router_fp32), counted so."""
     world = dims.world_size
     if gpus_per_node < 1 or world % gpus_per_node:
         raise ValueError(f"gpus per node {gpus_per_node} must divide the world size {world}")
     check_rollout(arch, rollout, world)
     start = time.perf_counter()
     pieces = layout_pieces(arch, dims)
-    layout = vllm_layout(arch, rollout, world)
+    layout = engine_fp32.fp32_layout(arch, vllm_layout(arch, rollout, world), router_fp32)
     if quantization == "fp8":
         layout = fp8_layout.quantized_layout(arch, rollout, layout)
     elif quantization != "none":

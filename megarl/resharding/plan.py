@@ -143,17 +143,18 @@ def peak_bound(tensors: Sequence[DestTensor], bucket_bytes: int, itemsize: int) 
     export term (planning/memory_plan.py); planning the copies themselves takes minutes at 671B."""
     modules: Dict[str, int] = {}
     for t in tensors:
-        modules[t.module] = modules.get(t.module, 0) + t.numel * itemsize
+        modules[t.module] = modules.get(t.module, 0) + t.engine_bytes(itemsize)
     return 2 * max(bucket_bytes, max(modules.values(), default=0))
 
 
 def opened_bytes(tensor: DestTensor, itemsize: int, quantized: FrozenSet[str]) -> int:
     """What a rank opens for its destination `tensor` (sync._stream counts it): its codes and
     scales when its senders quantize it (`quantized`: Plan.quantized), else the tensor in the
-    model's dtype (`itemsize`; an FP8 engine quantizes from it at close)."""
+    model's dtype (`itemsize`; an FP8 engine quantizes from it at close) or in fp32 where the
+    engine holds it so (DestTensor.fp32)."""
     if tensor.name in quantized:
         return tensor.numel + fp8_layout.scale_count(tensor.shape) * fp8_layout.SCALE_BYTES
-    return tensor.numel * itemsize
+    return tensor.engine_bytes(itemsize)
 
 
 def _rounds(copies: List[Copy], bucket_bytes: int) -> Tuple[Tuple[Copy, ...], ...]:

@@ -19,7 +19,7 @@ import torch
 
 from megarl.models.hf import fp8_blocks
 from megarl.models.hf.config import ModelArch
-from megarl.models.weights import destination, fp8_layout
+from megarl.models.weights import destination, engine_fp32, fp8_layout
 from megarl.parallel_state.links import Links, WorldLinks
 from megarl.platform import device_memory
 from megarl.resharding import metadata, transport
@@ -75,7 +75,8 @@ def layout_tensors(arch: ModelArch, layout: WeightLayout, role: str = "policy"):
     first = layout.first_rank
     if layout.format == "vllm":
         rollout = destination.RolloutLayout(layout.tp, layout.ep)
-        tensors = destination.vllm_layout(arch, rollout, layout.world, role)
+        tensors = engine_fp32.fp32_layout(arch, destination.vllm_layout(arch, rollout, layout.world, role),
+                                          layout.router_fp32)
         if layout.quantization == "fp8":
             tensors = fp8_layout.quantized_layout(arch, rollout, tensors)
         return {first + r: t for r, t in tensors.items()}, rollout.engines(layout.world, first)

@@ -96,7 +96,8 @@ class WeightLayout:
     rank on the trainer-rollout bridge). `adapters`: the destination takes the actor's LoRA
     adapters alone each sync (AdapterDestination: into LoRA slots, or merged into its weights by
     itself); the weights it takes are the base's, written once. `quantization` "fp8": a vLLM
-    destination holds its linear weights in block FP8 (rollout.quantization)."""
+    destination holds its linear weights in block FP8 (rollout.quantization). `router_fp32`: a
+    vLLM destination holds its MoE gates in fp32 (model.router_fp32; models/weights/engine_fp32.py)."""
     format: str
     world: int
     tp: int = 1
@@ -104,6 +105,7 @@ class WeightLayout:
     first_rank: int = 0
     adapters: bool = False
     quantization: str = "none"
+    router_fp32: bool = True
 
 
 class WeightDestination(Protocol):

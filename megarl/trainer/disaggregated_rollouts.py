@@ -127,7 +127,8 @@ class DisaggregatedRollouts:
             self.engine = RemoteEngine(WeightLayout(
                 "vllm", layout.rollout_world_size, layout.rollout_tp, layout.rollout_ep,
                 first_rank=self.role.first_rollout_rank,
-                adapters=self.adapters, quantization=self.config.rollout.quantization))
+                adapters=self.adapters, quantization=self.config.rollout.quantization,
+                router_fp32=self.config.model.router_fp32))
         self.version, self.weights = version, (chunks, arch)
         if first and self.role.rank == 0:  # where the rollout side starts drawing
             self.channel.start(self.role.generation, Start(version, self.sampler.state_dict()))

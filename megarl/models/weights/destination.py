@@ -51,6 +51,7 @@ class DestTensor:
     shape: Tuple[int, ...]
     regions: Tuple[Region, ...]
     fp8: bool = False          # block FP8 in the engine (fp8_layout.quantized_layout)
+    fp32: bool = False         # fp32 in the engine whatever the model's dtype (engine_fp32.fp32_layout)
 
     @property
     def module(self) -> str:
@@ -60,6 +61,10 @@ class DestTensor:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def engine_bytes(self, itemsize: int) -> int:
+        """Its bytes in the engine unquantized, `itemsize` the model dtype's."""
+        return self.numel * (4 if self.fp32 else itemsize)
 
     @property
     def covered(self) -> int:

@@ -175,7 +175,8 @@ class VLLMEngine:
         self.placement = Placement(engines=rollout_groups(world, rollout_tp), engine_rank=rank // rollout_tp,
                                    leader=rank % rollout_tp == 0)
         self.layout = WeightLayout("vllm", world, rollout_tp, rollout_ep, sync_first_rank,
-                                   adapters=adapters is not None, quantization=quantization)
+                                   adapters=adapters is not None, quantization=quantization,
+                                   router_fp32=router_fp32)
         # An FP8 engine's quantization_config (last) replaces the checkpoint's own, which the
         # unquantized engine of a quantized checkpoint drops.
         kwargs = {**_platform_kwargs(world, kv_cache_gib, hf_dir), **vllm_lora.engine_kwargs(adapters),
