@@ -225,6 +225,15 @@ def load_script(name: str):
     return module
 
 
+def without_leak_report(stderr: str) -> str:
+    """`stderr` without the report of leaked objects nanobind (Triton's bindings) prints at the exit
+    of a process forked from the zygote that started no engine: the zygote's heap stays frozen
+    (tests/zygote.py), so Triton's import-time objects are never freed. A user's own process
+    unfreezes at exit (megarl/platform/heap.py)."""
+    report = ("nanobind: ", " - leaked ", " - ... skipped remainder", "See https://nanobind.readthedocs.io/")
+    return "\n".join(line for line in stderr.split("\n") if not line.startswith(report))
+
+
 def last_json(proc: subprocess.CompletedProcess) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:

@@ -32,6 +32,7 @@ from tests.launch import (
     run,
     spawn,
     two_at_a_time,
+    without_leak_report,
 )
 from tests.learning import assert_distilled, assert_heldout_rises, assert_learned, greedy_accuracy
 
@@ -128,7 +129,7 @@ def test_ppo_with_critic_on_ray(after_a_killed_driver):
             "routing/topk_diff_fraction", "correction/masked_fraction"} <= logged, sorted(logged)
     assert [e.step for e in events.Scalars("eval/heldout/add_small/pass@1")] == [0, 2]
     # stderr holds the bar alone (its in-place redraws read as lines here: text mode turns \r into \n)
-    bar = [line for line in proc.stderr.split("\n") if line.strip()]
+    bar = [line for line in without_leak_report(proc.stderr).split("\n") if line.strip()]
     assert all(line.startswith("steps:") for line in bar) and "2/2" in bar[-1], bar
     said = [line for line in proc.stdout.split("\n") if line.strip()]
     assert len(said) <= 18 and all(line.startswith(("megarl: ", "[reward ")) for line in said), said
