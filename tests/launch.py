@@ -228,8 +228,8 @@ def load_script(name: str):
 def without_leak_report(stderr: str) -> str:
     """`stderr` without the report of leaked objects nanobind (Triton's bindings) prints at the exit
     of a process forked from the zygote that started no engine: the zygote's heap stays frozen
-    (tests/zygote.py), so Triton's import-time objects are never freed. A user's own process
-    unfreezes at exit (megarl/platform/heap.py)."""
+    (tests/zygote.py), so Triton's import-time objects are never freed. A user's driver never
+    freezes (megarl/platform/heap.py: the engine's processes do)."""
     report = ("nanobind: ", " - leaked ", " - ... skipped remainder", "See https://nanobind.readthedocs.io/")
     return "\n".join(line for line in stderr.split("\n") if not line.startswith(report))
 

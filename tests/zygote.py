@@ -174,9 +174,9 @@ def main() -> None:
     # so the fork copies them. Frozen here, the imports' objects are skipped: ~1.2 s of a core
     # less in a one-rank 2-step demo run; and a fork that exits frozen skips the interpreter's
     # last collections over them too, 0.5 CPU s against 3.4 unfrozen (docs/testing.md, "Where
-    # the CPU goes"). So unlike heap.freeze_heap this one stays at exit: a fork whose script starts
-    # no engine (an engine's shutdown unfreezes) leaves Triton's import-time objects unfreed, and
-    # nanobind reports them on stderr (launch.without_leak_report).
+    # the CPU goes"). A fork whose script starts no engine (an engine's shutdown unfreezes) exits
+    # frozen: Triton's import-time objects are never freed, and nanobind reports them on stderr
+    # (launch.without_leak_report).
     gc.collect()
     gc.freeze()
     connection, request = serve(sys.argv[1])
