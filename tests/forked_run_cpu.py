@@ -1,5 +1,5 @@
 """CPU seconds of a script run forked from the test zygote's state (tests/zygote.preload, then its
-gc.freeze), as tests/launch.run runs a one-rank launch: the child's own rusage (os.wait4), so the
+heap.freeze_heap), as tests/launch.run runs a one-rank launch: the child's own rusage (os.wait4), so the
 preload is not counted. Prints one JSON line per repeat.
 
   RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29700 \\
@@ -8,7 +8,6 @@ preload is not counted. Prints one JSON line per repeat.
 "{repeat}" in ARGS becomes the repeat's number (a run_dir of its own for a training run)."""
 
 import argparse
-import gc
 import json
 import os
 import runpy
@@ -29,10 +28,11 @@ def main():
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
     import zygote
 
+    from megarl.platform import heap
+
     zygote.preload()
     if not options.no_freeze:  # as tests/zygote.py's main does
-        gc.collect()
-        gc.freeze()
+        heap.freeze_heap()
     for repeat in range(options.repeats):
         started = time.time()
         pid = os.fork()

@@ -16,7 +16,6 @@ ranks each draw their own), and libgomp read OMP_NUM_THREADS when the zygote loa
 sets torch's thread count from its own OMP_NUM_THREADS instead). Launches that test the
 launchers themselves (Slurm, Ray, kills) start fresh interpreters (tests/launch.py: FRESH)."""
 
-import gc
 import json
 import os
 import runpy
@@ -24,6 +23,8 @@ import signal
 import socket
 import sys
 import time
+
+from megarl.platform import heap
 
 # torchrun's default for several ranks per node: one intra-op thread each.
 TORCHRUN_THREADS = "1"
@@ -177,8 +178,7 @@ def main() -> None:
     # the CPU goes"). A fork whose script starts no engine (an engine's shutdown unfreezes) exits
     # frozen: Triton's import-time objects are never freed, and nanobind reports them on stderr
     # (launch.without_leak_report).
-    gc.collect()
-    gc.freeze()
+    heap.freeze_heap()
     connection, request = serve(sys.argv[1])
     env = launch(connection, request)
     become(env, request)
