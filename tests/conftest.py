@@ -47,6 +47,7 @@ TIERS = {
     "test_cpu_compat": UNIT,
     "test_device_choice": UNIT,
     "test_device_memory": UNIT,
+    "test_disk_room": UNIT,
     "test_docs": UNIT,  # README.md and docs/*.md: length, links, anchors, config keys
     "test_dynamic_sampling": UNIT,
     "test_fp8_checkpoints": (DISTRIBUTED, {"test_reader_dequantizes_as_vllm_does": UNIT,
@@ -195,6 +196,22 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"TIERS in tests/conftest.py names tests that {item.path.name} does "
                                     f"not have: {stale}")
         item.add_marker(getattr(pytest.mark, tests.get(getattr(item, "originalname", item.name), default)))
+
+
+def pytest_collection_finish(session):
+    """Refuse to start tests that launch anything on a disk too full to hold what they write."""
+    if not any(item.get_closest_marker(UNIT) is None for item in session.items):
+        return
+    import tempfile
+
+    from tests import disk_room
+
+    folder = str(session.config.option.basetemp or tempfile.gettempdir())
+    folder = folder if os.path.isdir(folder) else os.path.dirname(os.path.abspath(folder))
+    why = disk_room.shortfall(folder, disk_room.SUITE_GIB)
+    if why:
+        raise pytest.UsageError(why)
+
 
 def selected_params(request, name: str) -> set:
     """The values of parameter `name` in the selected tests that use the requesting (module-scoped)
