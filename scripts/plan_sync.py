@@ -56,8 +56,7 @@ import json
 import os
 from typing import Optional, Tuple
 
-from megarl.models.weights import fp8_layout
-from megarl.models.weights.destination import vllm_rank_tensors
+from megarl.models.weights import engine_fp32, fp8_layout
 from megarl.resharding import cluster_plan as cp
 from megarl.resharding import gpu_kinds
 
@@ -209,16 +208,16 @@ def _table(result: cp.ClusterPlan, show: int) -> None:
 
 def plan_fp8(result: cp.ClusterPlan) -> dict:
     """An FP8 engine rank's weights (its ranks hold equal shares): FP8 codes and fp32 block scales
-    of the quantized tensors, the rest in the model's dtype, against all of them in that dtype. The
-    sync's figures above count what it moves: codes and scales where the senders quantize (every
-    slab of a tensor whole blocks), the model's dtype where the engine rank does."""
+    of the quantized tensors, the rest in the model's dtype (fp32 where the engine holds it so:
+    engine_fp32), against an unquantized engine rank's. The sync's figures above count what it
+    moves: codes and scales where the senders quantize (every slab of a tensor whole blocks), the
+    model's dtype where the engine rank does."""
     itemsize = cp.DTYPES[result.arch.dtype].itemsize
-    tensors = vllm_rank_tensors(result.arch, result.rollout, 0)
+    tensors = engine_fp32.engine_rank_tensors(result.arch, result.rollout, result.router_fp32)
     kept = set(fp8_layout.kept_in_bf16(result.arch, result.rollout))
     fp8 = [t for t in tensors if fp8_layout.is_fp8(t.name, t.shape, kept)]
-    return {"engine_bytes_per_rank": sum(fp8_layout.engine_bytes(t.name, t.shape, itemsize, True, kept)
-                                         for t in tensors),
-            "unquantized_engine_bytes_per_rank": sum(t.numel for t in tensors) * itemsize,
+    return {"engine_bytes_per_rank": sum(fp8_layout.engine_bytes(t, itemsize, True, kept) for t in tensors),
+            "unquantized_engine_bytes_per_rank": sum(t.engine_bytes(itemsize) for t in tensors),
             "fp8_code_bytes_per_rank": sum(t.numel for t in fp8),
             "fp8_scale_bytes_per_rank": sum(map(fp8_layout.scale_count, (t.shape for t in fp8)))
             * fp8_layout.SCALE_BYTES,

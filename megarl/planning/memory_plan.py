@@ -65,7 +65,7 @@ from megarl.models.memory.activations import layer_elements, stage_bytes_per_tok
 from megarl.models.memory.activations_hybrid import recurrent_state_bytes
 from megarl.models.memory.held_params import HeldParams, held_params
 from megarl.models.weights import engine_fp32, fp8_layout
-from megarl.models.weights.destination import RolloutLayout, hf_tensors, vllm_rank_tensors
+from megarl.models.weights.destination import RolloutLayout, hf_tensors
 from megarl.parallel_state.dims import ParallelDims
 from megarl.planning.resolved import ResolvedRun
 from megarl.platform import device_choice
@@ -218,13 +218,6 @@ def _activations(request: MemoryRequest, model: TrainedModel, stage: int, logits
     return out
 
 
-def _engine_tensors(request: MemoryRequest):
-    """One engine rank's tensors (the sync's destination layout; an engine's ranks hold equal
-    shares: check_rollout refuses uneven splits)."""
-    return engine_fp32.fp32_layout(request.arch, {0: vllm_rank_tensors(request.arch, request.rollout, 0)},
-                                   request.router_fp32)[0]
-
-
 def phase_peaks(request: MemoryRequest, t: Dict[str, float]) -> Dict[str, float]:
     """Pure: each phase's peak (bytes) from one stage's terms (StagePlan.terms)."""
     state = sum(t[f"{m}_{k}"] for m in ("actor", "critic") for k in ("params", "grads", "optimizer"))
@@ -273,12 +266,12 @@ def plan_memory(request: MemoryRequest) -> List[StagePlan]:
     rewards = sum(max(h.bytes for h in held_params(rm, dims, "value").values())
                   for rm in request.reward_models)
     itemsize = DTYPES[arch.dtype].itemsize
-    tensors = _engine_tensors(request) if request.colocated else ()
+    tensors = engine_fp32.engine_rank_tensors(arch, request.rollout, request.router_fp32) \
+        if request.colocated else ()
     # an FP8 engine's quantized weights: 1 byte each plus an fp32 scale per 128x128 block
     fp8 = request.quantization == "fp8"
     kept = set(fp8_layout.kept_in_bf16(arch, request.rollout)) if fp8 else set()
-    engine_weights = sum(fp8_layout.engine_bytes(t.name, t.shape, 4 if t.fp32 else itemsize, fp8, kept)
-                         for t in tensors)
+    engine_weights = sum(fp8_layout.engine_bytes(t, itemsize, fp8, kept) for t in tensors)
     if not request.colocated:
         engine = 0.0
     elif request.gpu:

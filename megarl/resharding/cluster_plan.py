@@ -384,6 +384,7 @@ class ClusterPlan:
     plan_seconds: float           # wall time of layout_pieces + vllm_layout + build_plan
     stats_seconds: float
     quantization: str = "none"    # "fp8": block-FP8 engines (fp8_layout.quantized_layout)
+    router_fp32: bool = True      # the engines hold their MoE gates in fp32 (engine_fp32)
     # FP8 engine tensors of the planned engines' ranks (one per rank holding it), by who quantizes
     # them: their senders (codes and scales travel) or the receiving rank (the model's dtype does)
     quantized_by_senders: int = 0
@@ -517,7 +518,7 @@ def plan_cluster(arch: ModelArch, dims: ParallelDims, rollout: RolloutLayout, gp
         engines_planned=sorted(wanted), ranks=ranks, timing=timing,
         buckets=len(plan.buckets), copies=sum(len(b.copies) for b in plan.buckets),
         model_bytes=metadata.model_bytes(pieces), plan_seconds=planned - start,
-        stats_seconds=time.perf_counter() - planned, quantization=quantization,
+        stats_seconds=time.perf_counter() - planned, quantization=quantization, router_fp32=router_fp32,
         quantized_by_senders=by_senders, quantized_by_receivers=len(fp8) - by_senders)
 
 

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Dict, Tuple
 
 from megarl.models.hf.config import ModelArch
-from megarl.models.weights.destination import DestTensor
+from megarl.models.weights.destination import DestTensor, RolloutLayout, vllm_rank_tensors
 
 # GateLinear's parameters in each family's names: Qwen3-MoE, DeepSeek-V3, GLM-4.5, Qwen3-Next and
 # Qwen3.5 (mlp.gate), Mixtral (block_sparse_moe.gate), gpt-oss (mlp.router, with a bias). Not
@@ -31,10 +31,21 @@ def held_in_fp32(arch: ModelArch, name: str, router_fp32: bool) -> bool:
     return name.endswith(ROUTER_SUFFIXES) and (router_fp32 or arch.family in FP32_GATE_FAMILIES)
 
 
+def mark(arch: ModelArch, tensors: Tuple[DestTensor, ...], router_fp32: bool) -> Tuple[DestTensor, ...]:
+    """One rank's destination tensors, those the engine holds in fp32 marked `fp32`."""
+    return tuple(dataclasses.replace(t, fp32=True) if held_in_fp32(arch, t.name, router_fp32) else t
+                 for t in tensors)
+
+
 def fp32_layout(arch: ModelArch, layout: Dict[int, Tuple[DestTensor, ...]], router_fp32: bool
                 ) -> Dict[int, Tuple[DestTensor, ...]]:
-    """Every rank's destination tensors, those the engine holds in fp32 marked `fp32`."""
+    """Every rank's destination tensors, marked (`mark`)."""
     marked: Dict[int, Tuple[DestTensor, ...]] = {}  # by id: ranks at one engine position share a tuple
-    return {rank: marked.setdefault(id(tensors), tuple(
-        dataclasses.replace(t, fp32=True) if held_in_fp32(arch, t.name, router_fp32) else t
-        for t in tensors)) for rank, tensors in layout.items()}
+    return {rank: marked.setdefault(id(tensors), mark(arch, tensors, router_fp32))
+            for rank, tensors in layout.items()}
+
+
+def engine_rank_tensors(arch: ModelArch, rollout: RolloutLayout, router_fp32: bool) -> Tuple[DestTensor, ...]:
+    """One engine rank's tensors, marked (an engine's ranks hold equal shares: check_rollout
+    refuses uneven splits): what the memory plan and plan_sync count an engine rank's weights by."""
+    return mark(arch, vllm_rank_tensors(arch, rollout, 0), router_fp32)

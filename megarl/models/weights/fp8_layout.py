@@ -110,12 +110,12 @@ def sent_bytes(numel: int, dim: int, length: int) -> int:
     return numel + -(-length // BLOCK[dim]) * -(-(numel // length) // BLOCK[1 - dim]) * SCALE_BYTES
 
 
-def engine_bytes(name: str, shape: Tuple[int, ...], itemsize: int, quantized: bool,
-                 kept: Collection[str] = ()) -> int:
-    """Bytes the engine holds for one tensor: codes and scales where FP8, else `itemsize` each."""
-    if quantized and is_fp8(name, shape, kept):
-        return math.prod(shape) + scale_count(shape) * SCALE_BYTES
-    return math.prod(shape) * itemsize
+def engine_bytes(tensor: DestTensor, itemsize: int, quantized: bool, kept: Collection[str] = ()) -> int:
+    """Bytes the engine holds for one tensor: codes and scales where FP8, else as
+    DestTensor.engine_bytes (`itemsize` the model dtype's, 4 where the engine holds it in fp32)."""
+    if quantized and is_fp8(tensor.name, tensor.shape, kept):
+        return tensor.numel + scale_count(tensor.shape) * SCALE_BYTES
+    return tensor.engine_bytes(itemsize)
 
 
 def misaligned(arch: ModelArch, rollout: RolloutLayout) -> List[str]:
